@@ -1,0 +1,43 @@
+"""Parameter counts and a per-parameter table, computed from shapes alone (nothing is allocated)."""
+
+import math
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+
+from eqmoe.config import ModelConfig
+from eqmoe.model import Transformer
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    path: str
+    shape: tuple[int, ...]
+    count: int
+    routed: bool  # part of the routed experts (only top_k of num_experts are active per token)
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The model with ``jax.ShapeDtypeStruct`` leaves, built by ``eqx.filter_eval_shape``."""
+    return eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+
+
+def parameter_table(config: ModelConfig) -> list[ParamRow]:
+    """One row per parameter array (stacked layers appear once, with their leading ``repeats`` axis)."""
+    rows = []
+    for key_path, leaf in jax.tree_util.tree_leaves_with_path(abstract_model(config)):
+        path = jax.tree_util.keystr(key_path, simple=True, separator=".")
+        rows.append(ParamRow(path, tuple(leaf.shape), math.prod(leaf.shape), ".experts." in f".{path}."))
+    return rows
+
+
+def count_parameters(config: ModelConfig) -> tuple[int, int]:
+    """``(total, active)``: active counts only ``top_k / num_experts`` of the routed-expert weights."""
+    rows = parameter_table(config)
+    total = sum(row.count for row in rows)
+    routed = sum(row.count for row in rows if row.routed)
+    if config.moe is None:
+        return total, total
+    router = config.moe.router
+    return total, total - routed // router.num_experts * (router.num_experts - router.top_k)

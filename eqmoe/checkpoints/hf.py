@@ -1,0 +1,117 @@
+"""Hugging Face checkpoints: read a Qwen3-MoE folder (``config.json`` + safetensors) into a Transformer."""
+
+import json
+import math
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqmoe.checkpoints.safetensors_io import SafetensorsFile
+from eqmoe.config import ModelConfig
+from eqmoe.model import Transformer
+from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_config(folder: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` described by ``folder/config.json``."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (a Hugging Face model folder needs config.json)")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config_from_hf(hf, str(path))
+
+
+def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
+    """Map every tensor name to the file that holds it (single file or sharded index)."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index_path}: not a safetensors index ({error!r})") from None
+        files: dict[str, SafetensorsFile] = {}
+        for name in sorted(set(weight_map.values())):
+            shard = (folder / name).resolve()
+            if folder.resolve() not in shard.parents:
+                raise ValueError(f"{index_path}: shard {name!r} lies outside the checkpoint folder")
+            files[name] = SafetensorsFile(shard)
+        located = {}
+        for key, name in weight_map.items():
+            if key not in files[name].keys():
+                raise ValueError(f"{index_path}: {key!r} is listed in {name} but that file does not hold it")
+            located[key] = files[name]
+        return located
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    file = SafetensorsFile(single)
+    return {key: file for key in file.keys()}
+
+
+def _checkpoint_shape(name: TensorName, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor's shape in the checkpoint: torch ``[out, in]`` for linear weights."""
+    piece = leaf_shape[len(name.index):]
+    if name.linear_in_dims:
+        return (math.prod(piece[name.linear_in_dims:]), math.prod(piece[: name.linear_in_dims]))
+    return piece
+
+
+def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
+    return tensor.T.reshape(piece) if name.linear_in_dims else tensor
+
+
+def _leaf_path(key_path) -> tuple[str | int, ...]:
+    return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
+
+
+def load(folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32) -> Transformer:
+    """Load a Hugging Face Qwen3-MoE folder as a :class:`Transformer` whose parameters are ``dtype``.
+
+    Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
+    needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+    dtype_name = jnp.dtype(dtype).name
+    config = read_config(folder).replace(param_dtype=dtype_name, dtype=dtype_name)
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    names = checkpoint_names(config)
+    files = _weight_files(folder)
+
+    problems = []
+    expected = {name.key for name in names}
+    for name in names:
+        want = _checkpoint_shape(name, leaves[name.path].shape)
+        if name.key not in files:
+            problems.append(f"missing tensor {name.key} (expected shape {want})")
+        elif (found := files[name.key].shape(name.key)) != want:
+            problems.append(f"wrong shape for {name.key}: expected {want}, found {found}")
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
+    if problems:
+        raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+
+    buffers = {path: np.empty(leaf.shape, leaf.dtype) for path, leaf in leaves.items()}
+    filled = {path: 0 for path in leaves}
+    for name in names:
+        piece = leaves[name.path].shape[len(name.index):]
+        tensor = files[name.key].read(name.key)
+        buffers[name.path][name.index] = _to_model_layout(name, tensor, piece).astype(buffers[name.path].dtype)
+        filled[name.path] += math.prod(piece)
+    unfilled = [path for path, count in filled.items() if count != math.prod(leaves[path].shape)]
+    assert not unfilled, f"checkpoint name map leaves parameters unset: {unfilled}"
+
+    return jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers[_leaf_path(p)]), abstract)

@@ -1,0 +1,1 @@
+"""Model families: published presets and checkpoint name maps, each knowing only ``eqmoe.config``."""

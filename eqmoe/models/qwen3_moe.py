@@ -1,0 +1,174 @@
+"""Qwen3-MoE: published presets, the Hugging Face ``config.json`` reader and the checkpoint name map."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from eqmoe.config import AttentionConfig, ModelConfig, MoEConfig, NormConfig, RouterConfig, segments_from_kinds
+
+
+def _qwen3_moe(
+    *, vocab: int, embed: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
+    expert_dim: int, mlp_dim: int, theta: float, kinds: list[str] | None = None, tie: bool = False,
+    renormalize: bool = True, eps: float = 1e-6, aux_coef: float = 0.001,
+) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab,
+        embed_dim=embed,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta),
+        layers=segments_from_kinds(kinds or ["moe"] * layers),
+        mlp_dim=mlp_dim,
+        moe=MoEConfig(
+            router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize,
+                                load_balance_weight=aux_coef),
+            expert_dim=expert_dim,
+        ),
+        norm=NormConfig(eps=eps, ffn_placement="pre"),
+        tie_embeddings=tie,
+    )
+
+
+_30B = dict(vocab=151936, embed=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
+            expert_dim=768, mlp_dim=6144)
+_235B = dict(vocab=151936, embed=4096, layers=94, heads=64, kv_heads=4, head_dim=128, experts=128, top_k=8,
+             expert_dim=1536, mlp_dim=12288)
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-30b-a3b": _qwen3_moe(**_30B, theta=1e6),
+    "qwen3-30b-a3b-2507": _qwen3_moe(**_30B, theta=1e7),
+    "qwen3-235b-a22b": _qwen3_moe(**_235B, theta=1e6),
+    "qwen3-235b-a22b-2507": _qwen3_moe(**_235B, theta=5e6),
+    # A CPU-sized model with the same structure: byte-level vocabulary plus room for special tokens.
+    "qwen3-moe-tiny": _qwen3_moe(vocab=512, embed=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8,
+                                 top_k=2, expert_dim=128, mlp_dim=256, theta=1e4),
+}
+
+
+# --- Hugging Face config.json -------------------------------------------------------------------
+
+
+def _require(hf: dict[str, Any], name: str, source: str) -> Any:
+    if name not in hf:
+        raise ValueError(f"{source}: missing field {name!r}")
+    return hf[name]
+
+
+def _rope_theta(hf: dict[str, Any], source: str) -> float:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; allowed: default")
+    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
+    """HF Qwen3MoeDecoderLayer: layer ``i`` is MoE iff ``i not in mlp_only_layers and num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0``; otherwise a dense SwiGLU of width ``intermediate_size``."""
+    return [
+        "moe" if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0 else "dense"
+        for i in range(num_layers)
+    ]
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from a Hugging Face Qwen3-MoE ``config.json`` dictionary.
+
+    Accepts ``num_experts`` or ``num_local_experts`` and ``rope_theta`` or ``rope_parameters``; refuses
+    options eqmoe does not implement (sliding windows, attention biases, non-SiLU activations).
+    """
+    model_type = hf.get("model_type")
+    if model_type != "qwen3_moe":
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: 'qwen3_moe'")
+    if hf.get("use_sliding_window", False):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported")
+    if hf.get("attention_bias", False):
+        raise ValueError(f"{source}: attention_bias=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; allowed: 'silu'")
+    req = {name: _require(hf, name, source) for name in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+        "num_experts_per_tok")}
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ValueError(f"{source}: missing field 'num_experts' (or 'num_local_experts')")
+    kinds = layer_kinds_from_hf(
+        req["num_hidden_layers"], experts, hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    )
+    if "dense" in kinds:
+        _require(hf, "intermediate_size", source)
+    try:
+        return _qwen3_moe(
+            vocab=req["vocab_size"], embed=req["hidden_size"], layers=req["num_hidden_layers"],
+            heads=req["num_attention_heads"], kv_heads=hf.get("num_key_value_heads", req["num_attention_heads"]),
+            head_dim=hf.get("head_dim") or req["hidden_size"] // req["num_attention_heads"],
+            experts=experts, top_k=req["num_experts_per_tok"], expert_dim=req["moe_intermediate_size"],
+            mlp_dim=hf.get("intermediate_size"), theta=_rope_theta(hf, source), kinds=kinds,
+            tie=bool(hf.get("tie_word_embeddings", False)), renormalize=bool(hf.get("norm_topk_prob", False)),
+            eps=float(hf.get("rms_norm_eps", 1e-6)), aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        )
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
+# --- Checkpoint name map ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorName:
+    """Where one checkpoint tensor lives in the eqmoe model.
+
+    ``path`` names a leaf of the model (attribute names and tuple indices); ``index`` selects the slice
+    of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
+    torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
+    """
+
+    key: str
+    path: tuple[str | int, ...]
+    index: tuple[int, ...]
+    linear_in_dims: int = 0
+
+
+def _layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]]:
+    """(layer, segment, repeat, position in unit, kind) for every layer in checkpoint order."""
+    layer = 0
+    for s, segment in enumerate(config.layers):
+        for r in range(segment.repeats):
+            for u, kind in enumerate(segment.unit):
+                yield layer, s, r, u, kind
+                layer += 1
+
+
+def checkpoint_names(config: ModelConfig) -> list[TensorName]:
+    """Every tensor of a Hugging Face Qwen3-MoE checkpoint for ``config``, in the Hub's key names."""
+    names = [TensorName("model.embed_tokens.weight", ("embed",), ()),
+             TensorName("model.norm.weight", ("final_norm", "weight"), ())]
+    if not config.tie_embeddings:
+        names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
+    num_experts = config.moe.router.num_experts if config.moe else 0
+    for layer, s, r, u, kind in _layer_slots(config):
+        block = ("segments", s, "blocks", u)
+        prefix = f"model.layers.{layer}."
+        names += [
+            TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (r,)),
+            TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (r,)),
+            TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (r,), 1),
+            TensorName(prefix + "self_attn.k_proj.weight", (*block, "attention", "wk"), (r,), 1),
+            TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (r,), 1),
+            TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (r,), 2),
+        ]
+        if config.attention.qk_norm != "none":
+            names += [
+                TensorName(prefix + "self_attn.q_norm.weight", (*block, "attention", "q_norm", "weight"), (r,)),
+                TensorName(prefix + "self_attn.k_norm.weight", (*block, "attention", "k_norm", "weight"), (r,)),
+            ]
+        if kind == "dense":
+            for proj, leaf, in_dims in (("gate", "w_gate", 1), ("up", "w_up", 1), ("down", "w_down", 1)):
+                names.append(TensorName(prefix + f"mlp.{proj}_proj.weight", (*block, "ffn", leaf), (r,), in_dims))
+            continue
+        names.append(TensorName(prefix + "mlp.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
+        for j in range(num_experts):
+            for proj, leaf in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
+                names.append(TensorName(
+                    prefix + f"mlp.experts.{j}.{proj}_proj.weight", (*block, "ffn", "experts", leaf), (r, j), 1
+                ))
+    return names

@@ -1,0 +1,16 @@
+"""Building blocks of the decoder, one concept per module."""
+
+from eqmoe.nn.attention import Attention, attention_mask
+from eqmoe.nn.block import Block
+from eqmoe.nn.dispatch import Experts
+from eqmoe.nn.mlp import SwiGLU
+from eqmoe.nn.moe import MoE
+from eqmoe.nn.norm import RMSNorm
+from eqmoe.nn.rope import apply_rope, rope_tables
+from eqmoe.nn.router import Router, RouterStats, Routing, router_stats, softmax_top_k
+from eqmoe.nn.stack import RepeatedUnit
+
+__all__ = [
+    "Attention", "Block", "Experts", "MoE", "RMSNorm", "RepeatedUnit", "Router", "RouterStats", "Routing",
+    "SwiGLU", "apply_rope", "attention_mask", "rope_tables", "router_stats", "softmax_top_k",
+]

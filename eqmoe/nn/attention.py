@@ -1,0 +1,80 @@
+"""Grouped-query self-attention with rotary positions, per-head QK-norm and document masks."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from eqmoe.config import AttentionConfig
+from eqmoe.nn._init import normal
+from eqmoe.nn.norm import RMSNorm
+from eqmoe.nn.rope import apply_rope
+
+
+def attention_mask(
+    segment_ids: Int[Array, "batch seq"], token_mask: Bool[Array, "batch seq"]
+) -> Bool[Array, "batch seq seq"]:
+    """``mask[b, q, k]``: query ``q`` may see key ``k``.
+
+    Causal, within the same packed document (equal ``segment_ids``), and only real keys
+    (``token_mask``, like HF's ``attention_mask``).
+    """
+    seq = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    same_document = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same_document & token_mask[:, None, :]
+
+
+class Attention(eqx.Module):
+    """Multi-head attention whose ``num_kv_heads`` key/value heads are shared by groups of query heads.
+
+    HF Qwen3MoeAttention: q/k/v projections without bias, RMSNorm over ``head_dim`` on q and k (one
+    scale shared by all heads) before RoPE, scores scaled by ``head_dim^-0.5``, softmax in float32.
+    """
+
+    wq: Float[Array, "embed heads head_dim"]
+    wk: Float[Array, "embed kv_heads head_dim"]
+    wv: Float[Array, "embed kv_heads head_dim"]
+    wo: Float[Array, "heads head_dim embed"]
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    config: AttentionConfig = eqx.field(static=True)
+
+    def __init__(
+        self, embed_dim: int, config: AttentionConfig, *, eps: float, std: float, dtype: jnp.dtype,
+        key: PRNGKeyArray,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.wq = normal(kq, (embed_dim, heads, head_dim), std, dtype)
+        self.wk = normal(kk, (embed_dim, kv_heads, head_dim), std, dtype)
+        self.wv = normal(kv, (embed_dim, kv_heads, head_dim), std, dtype)
+        self.wo = normal(ko, (heads, head_dim, embed_dim), std, dtype)
+        with_norm = config.qk_norm != "none"
+        self.q_norm = RMSNorm(head_dim, eps=eps, dtype=dtype) if with_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=eps, dtype=dtype) if with_norm else None
+        self.config = config
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq seq"],
+    ) -> Float[Array, "batch seq embed"]:
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq)
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk)
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        batch, seq, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        # Query head h reads key/value head h // group, as HF's repeat_kv lays them out.
+        q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+        scores = jnp.einsum("bqngk,btnk->bngqt", q, k) * head_dim**-0.5
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        out = jnp.einsum("bngqt,btnk->bqngk", probs, v).reshape(batch, seq, heads, head_dim)
+        return jnp.einsum("bshk,hkd->bsd", out, self.wo)

@@ -1,0 +1,68 @@
+"""The decoder block: attention then a dense or routed FFN, with the configured norm placement."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from eqmoe.config import BlockKind, ModelConfig
+from eqmoe.nn.attention import Attention
+from eqmoe.nn.mlp import SwiGLU
+from eqmoe.nn.moe import MoE
+from eqmoe.nn.norm import RMSNorm
+from eqmoe.nn.router import RouterStats
+
+
+class Block(eqx.Module):
+    """``x += attention(attn_norm(x))`` then the FFN residual with ``NormConfig.ffn_placement``:
+
+    - ``pre``: ``x + ffn(pre_norm(x))`` (HF Qwen3-MoE; ``pre_norm`` is ``post_attention_layernorm``)
+    - ``post``: ``post_norm(x + ffn(x))``
+    - ``hybrid``: ``x + post_norm(ffn(pre_norm(x)))`` (AXLearn hybridnorm)
+    """
+
+    attn_norm: RMSNorm
+    attention: Attention
+    pre_norm: RMSNorm | None
+    ffn: SwiGLU | MoE
+    post_norm: RMSNorm | None
+    kind: BlockKind = eqx.field(static=True)
+    placement: str = eqx.field(static=True)
+
+    def __init__(self, kind: BlockKind, config: ModelConfig, *, key: PRNGKeyArray):
+        k_attn, k_ffn = jax.random.split(key)
+        dtype, eps, std, dim = jnp.dtype(config.param_dtype), config.norm.eps, config.init_std, config.embed_dim
+        placement = config.norm.ffn_placement
+        self.attn_norm = RMSNorm(dim, eps=eps, dtype=dtype)
+        self.attention = Attention(dim, config.attention, eps=eps, std=std, dtype=dtype, key=k_attn)
+        self.pre_norm = RMSNorm(dim, eps=eps, dtype=dtype) if placement in ("pre", "hybrid") else None
+        self.post_norm = RMSNorm(dim, eps=eps, dtype=dtype) if placement in ("post", "hybrid") else None
+        if kind == "moe":
+            assert config.moe is not None
+            self.ffn = MoE(dim, config.moe, std=std, dtype=dtype, key=k_ffn)
+        else:
+            assert config.mlp_dim is not None
+            self.ffn = SwiGLU(dim, config.mlp_dim, std=std, dtype=dtype, key=k_ffn)
+        self.kind = kind
+        self.placement = placement
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq seq"],
+        token_mask: Bool[Array, "batch seq"],
+    ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
+        x = x + self.attention(self.attn_norm(x), cos, sin, mask)
+        h = self.pre_norm(x) if self.pre_norm is not None else x
+        if isinstance(self.ffn, MoE):
+            h, stats = self.ffn(h, token_mask)
+        else:
+            h, stats = self.ffn(h), None
+        if self.placement == "post":
+            assert self.post_norm is not None
+            return self.post_norm(x + h), stats
+        if self.post_norm is not None:
+            h = self.post_norm(h)
+        return x + h, stats

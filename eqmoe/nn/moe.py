@@ -1,0 +1,40 @@
+"""The MoE layer: router, experts and a dispatch backend."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from eqmoe.config import MoEConfig
+from eqmoe.nn import dispatch
+from eqmoe.nn.router import Router, RouterStats, router_stats
+
+
+class MoE(eqx.Module):
+    """A routed-expert FFN over all tokens of the batch at once (HF Qwen3MoeSparseMoeBlock).
+
+    Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true.
+    """
+
+    router: Router
+    experts: dispatch.Experts
+    config: MoEConfig = eqx.field(static=True)
+
+    def __init__(self, embed_dim: int, config: MoEConfig, *, std: float, dtype: jnp.dtype, key: PRNGKeyArray):
+        k_router, k_experts = jax.random.split(key)
+        self.router = Router(embed_dim, config.router, std=std, dtype=dtype, key=k_router)
+        self.experts = dispatch.Experts(
+            config.router.num_experts, embed_dim, config.expert_dim, std=std, dtype=dtype, key=k_experts
+        )
+        self.config = config
+
+    def __call__(
+        self, x: Float[Array, "batch seq embed"], token_mask: Bool[Array, "batch seq"] | None = None
+    ) -> tuple[Float[Array, "batch seq embed"], RouterStats]:
+        batch, seq, embed = x.shape
+        flat = x.reshape(batch * seq, embed)
+        mask = jnp.ones(batch * seq, bool) if token_mask is None else token_mask.reshape(-1)
+        routing = self.router(flat)
+        compute = dispatch.resolve(self.config.dispatch)
+        y = compute(flat, routing.weights, routing.experts, self.experts, self.config.block_size)
+        return y.reshape(batch, seq, embed), router_stats(routing, mask)
