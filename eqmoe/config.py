@@ -187,7 +187,8 @@ def segments_from_kinds(kinds: tuple[BlockKind, ...] | list[BlockKind]) -> tuple
     """Cover a per-layer list of block kinds with as few scanned segments as possible.
 
     Greedy from the left: at each position take the unit, repeated at least twice, whose repetitions
-    cover the most layers (the shortest such unit on a tie), or else a single layer. ``["dense", "moe"] * 3`` becomes ``(Segment(("dense", "moe"), 3),)``; ``["dense"] + ["moe"] * 5``
+    cover the most layers (the shortest such unit on a tie), or else a single layer.
+    ``["dense", "moe"] * 3`` becomes ``(Segment(("dense", "moe"), 3),)``; ``["dense"] + ["moe"] * 5``
     becomes ``(Segment(("dense",), 1), Segment(("moe",), 5))``.
     """
     kinds = tuple(kinds)

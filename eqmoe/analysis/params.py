@@ -32,9 +32,12 @@ def parameter_table(config: ModelConfig) -> list[ParamRow]:
     return rows
 
 
-def count_parameters(config: ModelConfig) -> tuple[int, int]:
-    """``(total, active)``: active counts only ``top_k / num_experts`` of the routed-expert weights."""
-    rows = parameter_table(config)
+def count_parameters(config: ModelConfig, rows: list[ParamRow] | None = None) -> tuple[int, int]:
+    """``(total, active)``: active counts only ``top_k / num_experts`` of the routed-expert weights.
+
+    ``rows`` is the :func:`parameter_table` of ``config`` when the caller already has it.
+    """
+    rows = parameter_table(config) if rows is None else rows
     total = sum(row.count for row in rows)
     routed = sum(row.count for row in rows if row.routed)
     if config.moe is None:

@@ -16,6 +16,7 @@ from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def read_config(folder: str | Path) -> ModelConfig:
@@ -40,15 +41,21 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{index_path}: not a safetensors index ({error!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{index_path}: weight_map must map tensor names to file names")
         files: dict[str, SafetensorsFile] = {}
         for name in sorted(set(weight_map.values())):
             shard = (folder / name).resolve()
-            if folder.resolve() not in shard.parents:
-                raise ValueError(f"{index_path}: shard {name!r} lies outside the checkpoint folder")
+            if shard.parent != folder.resolve():
+                raise ValueError(
+                    f"{index_path}: shard {name!r} lies outside the checkpoint folder (shards must sit directly in it)"
+                )
             files[name] = SafetensorsFile(shard)
         located = {}
         for key, name in weight_map.items():
-            if key not in files[name].keys():
+            if key not in files[name].keys():  # noqa: SIM118 (not a dict)
                 raise ValueError(f"{index_path}: {key!r} is listed in {name} but that file does not hold it")
             located[key] = files[name]
         return located
@@ -56,7 +63,7 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     if not single.is_file():
         raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     file = SafetensorsFile(single)
-    return {key: file for key in file.keys()}
+    return {key: file for key in file.keys()}  # noqa: SIM118
 
 
 def _checkpoint_shape(name: TensorName, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -69,6 +76,27 @@ def _checkpoint_shape(name: TensorName, leaf_shape: tuple[int, ...]) -> tuple[in
 
 def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
     return tensor.T.reshape(piece) if name.linear_in_dims else tensor
+
+
+def _to_checkpoint_layout(name: TensorName, piece: np.ndarray) -> np.ndarray:
+    if not name.linear_in_dims:
+        return piece
+    return piece.reshape(math.prod(piece.shape[: name.linear_in_dims]), -1).T
+
+
+def _get(tree, path: tuple[str | int, ...]):
+    for step in path:
+        tree = tree[step] if isinstance(step, int) else getattr(tree, step)
+    return tree
+
+
+def state_dict(model: Transformer) -> dict[str, np.ndarray]:
+    """Every parameter of ``model`` (or a same-shaped pytree such as its gradients) under its Hugging
+    Face checkpoint name, in torch ``[out, in]`` layout."""
+    return {
+        name.key: _to_checkpoint_layout(name, np.asarray(_get(model, name.path)[name.index]))
+        for name in checkpoint_names(model.config)
+    }
 
 
 def _leaf_path(key_path) -> tuple[str | int, ...]:
@@ -99,6 +127,8 @@ def load(folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32) -> Transfo
             problems.append(f"missing tensor {name.key} (expected shape {want})")
         elif (found := files[name.key].shape(name.key)) != want:
             problems.append(f"wrong shape for {name.key}: expected {want}, found {found}")
+        elif (kind := files[name.key].dtype(name.key)) not in FLOAT_DTYPES:
+            problems.append(f"wrong dtype for {name.key}: expected a float type, found {kind}")
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
     if problems:

@@ -55,10 +55,15 @@ def _require(hf: dict[str, Any], name: str, source: str) -> Any:
 
 def _rope_theta(hf: dict[str, Any], source: str) -> float:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters={params!r} is invalid; allowed: a JSON object")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; allowed: default")
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} is invalid; allowed: a positive number")
+    return float(theta)
 
 
 def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
@@ -91,22 +96,30 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if experts is None:
         raise ValueError(f"{source}: missing field 'num_experts' (or 'num_local_experts')")
-    kinds = layer_kinds_from_hf(
-        req["num_hidden_layers"], experts, hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    )
+    optional = {name: hf[name] for name in ("num_key_value_heads", "head_dim", "intermediate_size")
+                if hf.get(name) is not None}
+    integers = {**req, **optional, "num_experts": experts, "decoder_sparse_step": hf.get("decoder_sparse_step", 1)}
+    for name, value in integers.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source}: {name}={value!r} is invalid; allowed: a positive integer")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ValueError(f"{source}: mlp_only_layers={mlp_only!r} is invalid; allowed: a list of layer indices")
+    kinds = layer_kinds_from_hf(req["num_hidden_layers"], experts, integers["decoder_sparse_step"], mlp_only)
     if "dense" in kinds:
         _require(hf, "intermediate_size", source)
+    theta = _rope_theta(hf, source)
     try:
         return _qwen3_moe(
             vocab=req["vocab_size"], embed=req["hidden_size"], layers=req["num_hidden_layers"],
-            heads=req["num_attention_heads"], kv_heads=hf.get("num_key_value_heads", req["num_attention_heads"]),
-            head_dim=hf.get("head_dim") or req["hidden_size"] // req["num_attention_heads"],
+            heads=req["num_attention_heads"], kv_heads=optional.get("num_key_value_heads", req["num_attention_heads"]),
+            head_dim=optional.get("head_dim", req["hidden_size"] // req["num_attention_heads"]),
             experts=experts, top_k=req["num_experts_per_tok"], expert_dim=req["moe_intermediate_size"],
-            mlp_dim=hf.get("intermediate_size"), theta=_rope_theta(hf, source), kinds=kinds,
+            mlp_dim=optional.get("intermediate_size"), theta=theta, kinds=kinds,
             tie=bool(hf.get("tie_word_embeddings", False)), renormalize=bool(hf.get("norm_topk_prob", False)),
             eps=float(hf.get("rms_norm_eps", 1e-6)), aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
         )
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: {error}") from None
 
 

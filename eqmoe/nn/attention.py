@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import AttentionConfig
@@ -41,7 +42,7 @@ class Attention(eqx.Module):
     config: AttentionConfig = eqx.field(static=True)
 
     def __init__(
-        self, embed_dim: int, config: AttentionConfig, *, eps: float, std: float, dtype: jnp.dtype,
+        self, embed_dim: int, config: AttentionConfig, *, eps: float, std: float, dtype: DTypeLike,
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqmoe.nn._init import normal
@@ -22,7 +23,7 @@ class Experts(eqx.Module):
     w_down: Float[Array, "experts expert_dim embed"]
 
     def __init__(
-        self, num_experts: int, embed_dim: int, expert_dim: int, *, std: float, dtype: jnp.dtype,
+        self, num_experts: int, embed_dim: int, expert_dim: int, *, std: float, dtype: DTypeLike,
         key: PRNGKeyArray,
     ):
         k_gate, k_up, k_down = jax.random.split(key, 3)

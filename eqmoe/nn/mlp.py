@@ -2,7 +2,7 @@
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqmoe.nn._init import normal
@@ -15,7 +15,7 @@ class SwiGLU(eqx.Module):
     w_up: Float[Array, "embed mlp"]
     w_down: Float[Array, "mlp embed"]
 
-    def __init__(self, embed_dim: int, mlp_dim: int, *, std: float, dtype: jnp.dtype, key: PRNGKeyArray):
+    def __init__(self, embed_dim: int, mlp_dim: int, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
         k_gate, k_up, k_down = jax.random.split(key, 3)
         self.w_gate = normal(k_gate, (embed_dim, mlp_dim), std, dtype)
         self.w_up = normal(k_up, (embed_dim, mlp_dim), std, dtype)

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from eqmoe.config import MoEConfig
@@ -20,7 +21,7 @@ class MoE(eqx.Module):
     experts: dispatch.Experts
     config: MoEConfig = eqx.field(static=True)
 
-    def __init__(self, embed_dim: int, config: MoEConfig, *, std: float, dtype: jnp.dtype, key: PRNGKeyArray):
+    def __init__(self, embed_dim: int, config: MoEConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
         k_router, k_experts = jax.random.split(key)
         self.router = Router(embed_dim, config.router, std=std, dtype=dtype, key=k_router)
         self.experts = dispatch.Experts(

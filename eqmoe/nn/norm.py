@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 
@@ -17,7 +18,7 @@ class RMSNorm(eqx.Module):
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype = jnp.float32):
+    def __init__(self, dim: int, *, eps: float, dtype: DTypeLike = jnp.float32):
         self.weight = jnp.ones((dim,), dtype)
         self.eps = eps
 

@@ -1,11 +1,12 @@
 """Rotary position embedding (RoPE)."""
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 
 def rope_tables(
-    positions: Int[Array, "*batch seq"], head_dim: int, theta: float, dtype: jnp.dtype
+    positions: Int[Array, "*batch seq"], head_dim: int, theta: float, dtype: DTypeLike
 ) -> tuple[Float[Array, "*batch seq head_dim"], Float[Array, "*batch seq head_dim"]]:
     """Cosine and sine tables in the half-split layout, computed in float32 then cast to ``dtype``.
 

@@ -5,6 +5,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import RouterConfig
@@ -61,7 +62,7 @@ class Router(eqx.Module):
     weight: Float[Array, "embed experts"]
     config: RouterConfig = eqx.field(static=True)
 
-    def __init__(self, embed_dim: int, config: RouterConfig, *, std: float, dtype: jnp.dtype, key: PRNGKeyArray):
+    def __init__(self, embed_dim: int, config: RouterConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
         self.weight = normal(key, (embed_dim, config.num_experts), std, dtype)
         self.config = config
 

@@ -1,0 +1,113 @@
+"""How the compile time of a training step grows with depth, scanned (``lax.scan``) versus unrolled.
+
+    python -m experiments.bench_compile --layers 4 48 --batch 2 --seq 64 --out compile.json
+
+For each depth, builds ``qwen3-moe-tiny`` with that many MoE layers (shapes only, via
+``eqx.filter_eval_shape``: nothing is allocated), then times ``jax.jit(step).lower(...)`` and
+``.compile()`` of ``step = jax.value_and_grad(loss)``, ``loss`` being ``eqmoe.losses.objective``.
+With ``scan_layers=True`` the program holds one copy of the block whatever the depth, so its
+compile time should stay nearly flat; unrolled, it grows with the number of layers.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import tyro
+
+from eqmoe import presets
+from eqmoe.config import ModelConfig, segments_from_kinds
+from eqmoe.losses import objective
+from eqmoe.model import Transformer
+
+
+@dataclass(frozen=True)
+class Args:
+    layers: tuple[int, ...] = (4, 48)
+    """Depths to compare (number of MoE layers); the ratio is last / first."""
+
+    batch: int = 2
+    """Batch size of the token input."""
+
+    seq: int = 64
+    """Sequence length of the token input."""
+
+    preset: str = "qwen3-moe-tiny"
+    """Preset giving the width; only its ``layers`` is replaced."""
+
+    out: Path | None = None
+    """Write the results as JSON to this path."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    layers: int
+    scan_layers: bool
+    lower_s: float  # tracing + lowering to StableHLO
+    compile_s: float  # XLA compilation
+    hlo_lines: int  # size of the lowered StableHLO module
+
+    @property
+    def total_s(self) -> float:
+        return self.lower_s + self.compile_s
+
+
+def time_compile(config: ModelConfig, batch: int, seq: int) -> tuple[float, float, int]:
+    """Seconds to lower and to compile one forward+backward of ``config``, and the StableHLO size."""
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    params, static = eqx.partition(abstract, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
+
+    def loss(params, tokens):
+        output = eqx.combine(params, static)(tokens)
+        return objective(output, tokens, jnp.ones(tokens.shape, bool), config)[0]
+
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    start = time.perf_counter()
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, tokens)
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    compiled_at = time.perf_counter()
+    return lowered_at - start, compiled_at - lowered_at, lowered.as_text().count("\n")
+
+
+def main(args: Args) -> int:
+    base = presets.get(args.preset)
+
+    def config(layers: int, scan: bool) -> ModelConfig:
+        return base.replace(layers=segments_from_kinds(["moe"] * layers), scan_layers=scan)
+
+    time_compile(config(min(args.layers), True), args.batch, args.seq)  # warm-up: backend start, caches
+    timings = [
+        Timing(layers, scan, *time_compile(config(layers, scan), args.batch, args.seq))
+        for scan in (True, False) for layers in args.layers
+    ]
+
+    backend = jax.default_backend()
+    print(f"{args.preset}, batch {args.batch}, seq {args.seq}, backend {backend}, jax {jax.__version__}")
+    print(f"{'mode':<9} {'layers':>6} {'lower s':>8} {'compile s':>10} {'total s':>8} {'hlo lines':>10}")
+    for t in timings:
+        mode = "scan" if t.scan_layers else "unrolled"
+        times = f"{t.lower_s:>8.2f} {t.compile_s:>10.2f} {t.total_s:>8.2f}"
+        print(f"{mode:<9} {t.layers:>6} {times} {t.hlo_lines:>10}")
+    first, last = args.layers[0], args.layers[-1]
+    ratios = {}
+    for scan in (True, False):
+        by_depth = {t.layers: t for t in timings if t.scan_layers == scan}
+        mode = "scan" if scan else "unrolled"
+        ratios[mode] = by_depth[last].total_s / by_depth[first].total_s
+        print(f"ratio {last}/{first} total time, {mode}: {ratios[mode]:.2f}x")
+
+    if args.out is not None:
+        results = [{**asdict(t), "total_s": t.total_s} for t in timings]
+        report = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "backend": backend,
+                  "jax": jax.__version__, "results": results, f"ratio_{last}_over_{first}": ratios}
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(tyro.cli(Args)))

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random Hugging Face Qwen3-MoE models written with ``save_pretrained``."""
+
+from pathlib import Path
+
+import pytest
+
+TINY_HF = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def save_tiny_hf(folder: Path, seed: int = 0, **overrides):
+    """A random ``Qwen3MoeForCausalLM`` saved to ``folder``; returns the torch model in eval mode."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(**{**TINY_HF, **overrides})
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # HF zero-initialises nothing we test, but norms start at exactly 1: perturb them.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return model
+
+
+def load_reference(folder: Path):
+    """The saved model read back by transformers with the eager (reference) attention and experts."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()

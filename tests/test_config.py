@@ -1,0 +1,325 @@
+"""Config validation, segments_from_kinds, the HF layer-kind rule and the preset registry.
+
+An invalid value raises ``ValueError`` from ``__post_init__`` naming ``Class.field=value`` and what is
+allowed. Under the test suite's jaxtyping + beartype import hook, a value outside a ``Literal`` (an unknown
+dispatch or placement string) is already refused by the type check on ``__init__`` (a ``TypeError``); the
+``ValueError`` that users without the hook get is checked by running ``__post_init__`` directly and, once,
+in a fresh interpreter without the hook.
+"""
+
+import dataclasses
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eqmoe import presets
+from eqmoe.config import (
+    AttentionConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    RouterConfig,
+    Segment,
+    segments_from_kinds,
+)
+from eqmoe.models.qwen3_moe import layer_kinds_from_hf
+
+
+def _attention(**changes) -> AttentionConfig:
+    return AttentionConfig(**{"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, **changes})
+
+
+def _router(**changes) -> RouterConfig:
+    return RouterConfig(**{"num_experts": 4, "top_k": 2, **changes})
+
+
+def _moe(**changes) -> MoEConfig:
+    return MoEConfig(**{"router": _router(), "expert_dim": 8, **changes})
+
+
+def _model(**changes) -> ModelConfig:
+    return ModelConfig(**{
+        "vocab_size": 10, "embed_dim": 16, "attention": _attention(),
+        "layers": (Segment(("dense", "moe"), 2),), "mlp_dim": 32, "moe": _moe(), **changes,
+    })
+
+
+def _assert_names(message: str, owner: str, field: str, value: object, *allowed: str) -> None:
+    assert f"{owner}.{field}={value!r}" in message, message
+    assert "allowed:" in message, message
+    for text in allowed:
+        assert text in message, message
+
+
+def test_valid_configs_construct():
+    model = _model()
+    assert model.num_layers == 4
+    assert model.layer_kinds() == ("dense", "moe", "dense", "moe")
+    assert NormConfig().ffn_placement == "pre"
+
+
+# --- invalid values -----------------------------------------------------------------------------------
+
+
+def test_heads_not_divisible_by_kv_heads():
+    with pytest.raises(ValueError) as excinfo:
+        _attention(num_heads=6, num_kv_heads=4)
+    _assert_names(str(excinfo.value), "AttentionConfig", "num_kv_heads", 4, "a divisor of num_heads=6")
+
+
+def test_top_k_above_num_experts():
+    with pytest.raises(ValueError) as excinfo:
+        _router(num_experts=4, top_k=5)
+    _assert_names(str(excinfo.value), "RouterConfig", "top_k", 5, "1..num_experts=4")
+
+
+def test_top_k_equal_to_num_experts_is_allowed():
+    assert _router(num_experts=4, top_k=4).top_k == 4
+
+
+@pytest.mark.parametrize("head_dim", [3, 7, 129])
+def test_odd_head_dim(head_dim):
+    with pytest.raises(ValueError) as excinfo:
+        _attention(head_dim=head_dim)
+    _assert_names(str(excinfo.value), "AttentionConfig", "head_dim", head_dim, "even")
+
+
+_POSITIVE_FIELDS = [
+    (_attention, "AttentionConfig", "num_heads"),
+    (_attention, "AttentionConfig", "num_kv_heads"),
+    (_attention, "AttentionConfig", "head_dim"),
+    (_attention, "AttentionConfig", "rope_theta"),
+    (NormConfig, "NormConfig", "eps"),
+    (_router, "RouterConfig", "num_experts"),
+    (_router, "RouterConfig", "top_k"),
+    (_moe, "MoEConfig", "expert_dim"),
+    (_moe, "MoEConfig", "block_size"),
+    (_model, "ModelConfig", "vocab_size"),
+    (_model, "ModelConfig", "embed_dim"),
+    (_model, "ModelConfig", "init_std"),
+]
+
+
+@pytest.mark.parametrize("value", [0, -2])
+@pytest.mark.parametrize(
+    ("make", "owner", "field"), _POSITIVE_FIELDS, ids=[f"{o}.{f}" for _, o, f in _POSITIVE_FIELDS]
+)
+def test_non_positive_sizes(make, owner, field, value):
+    if field in ("rope_theta", "eps", "init_std"):
+        value = float(value)
+    with pytest.raises(ValueError) as excinfo:
+        make(**{field: value})
+    _assert_names(str(excinfo.value), owner, field, value, "a positive number")
+
+
+@pytest.mark.parametrize("name", ["load_balance_weight", "z_loss_weight"])
+def test_negative_loss_weights(name):
+    with pytest.raises(ValueError) as excinfo:
+        _router(**{name: -0.1})
+    _assert_names(str(excinfo.value), "RouterConfig", name, -0.1, "a number >= 0")
+
+
+# Literal-typed fields: (valid instance, owner, field, bad value, every allowed value).
+_CHOICES = [
+    (_moe, "MoEConfig", "dispatch", "ragged", ("dense", "sorted", "auto")),
+    (NormConfig, "NormConfig", "ffn_placement", "sandwich", ("pre", "post", "hybrid")),
+    (_attention, "AttentionConfig", "qk_norm", "after_rope", ("none", "before_rope")),
+    (_attention, "AttentionConfig", "rope_layout", "interleaved", ("half_split",)),
+    (_router, "RouterConfig", "score", "sigmoid", ("softmax",)),
+    (_model, "ModelConfig", "dtype", "int8", ("float32", "bfloat16", "float16")),
+    (_model, "ModelConfig", "param_dtype", "float64", ("float32", "bfloat16", "float16")),
+    (_model, "ModelConfig", "remat", "full", ("none", "block")),
+]
+_CHOICE_IDS = [f"{owner}.{field}" for _, owner, field, _, _ in _CHOICES]
+
+
+@pytest.mark.parametrize(("make", "owner", "field", "bad", "allowed"), _CHOICES, ids=_CHOICE_IDS)
+def test_unknown_string_post_init_names_allowed_values(make, owner, field, bad, allowed):
+    """``__post_init__`` itself: the ValueError a caller without the type-check hook gets."""
+    config = make()
+    object.__setattr__(config, field, bad)
+    with pytest.raises(ValueError) as excinfo:
+        config.__post_init__()
+    _assert_names(str(excinfo.value), owner, field, bad, " | ".join(allowed))
+
+
+@pytest.mark.parametrize(("make", "owner", "field", "bad", "allowed"), _CHOICES, ids=_CHOICE_IDS)
+def test_unknown_string_is_refused_on_construction(make, owner, field, bad, allowed):
+    """Through the constructor: refused either by the hook's type check or by ``__post_init__``."""
+    with pytest.raises((ValueError, TypeError)) as excinfo:
+        make(**{field: bad})
+    message = str(excinfo.value)
+    assert field in message
+    assert bad in message
+    assert all(value in message for value in allowed), message
+
+
+def test_unknown_strings_raise_value_error_without_the_type_check_hook():
+    """In a plain interpreter (how users run eqmoe) every invalid value is a ValueError from __post_init__."""
+    script = textwrap.dedent("""
+        from eqmoe.config import AttentionConfig, MoEConfig, NormConfig, RouterConfig, Segment
+        cases = [
+            lambda: MoEConfig(RouterConfig(4, 2), 8, dispatch="ragged"),
+            lambda: NormConfig(ffn_placement="sandwich"),
+            lambda: AttentionConfig(4, 2, 8, qk_norm="after_rope"),
+            lambda: Segment(("dense", "attention"), 2),
+        ]
+        for case in cases:
+            try:
+                case()
+            except ValueError as error:
+                print(error)
+            else:
+                print("ACCEPTED")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines == [
+        "MoEConfig.dispatch='ragged' is invalid; allowed: dense | sorted | auto",
+        "NormConfig.ffn_placement='sandwich' is invalid; allowed: pre | post | hybrid",
+        "AttentionConfig.qk_norm='after_rope' is invalid; allowed: none | before_rope",
+        "Segment.unit='attention' is invalid; allowed: dense | moe",
+    ]
+
+
+def test_moe_segment_without_moe_config():
+    with pytest.raises(ValueError) as excinfo:
+        _model(moe=None)
+    _assert_names(str(excinfo.value), "ModelConfig", "moe", None, "a MoEConfig", "'moe'")
+
+
+def test_all_dense_model_needs_no_moe_config():
+    model = _model(moe=None, layers=(Segment(("dense",), 3),))
+    assert model.layer_kinds() == ("dense",) * 3
+
+
+@pytest.mark.parametrize("mlp_dim", [None, 0, -8])
+def test_dense_segment_without_mlp_dim(mlp_dim):
+    with pytest.raises(ValueError) as excinfo:
+        _model(mlp_dim=mlp_dim)
+    _assert_names(str(excinfo.value), "ModelConfig", "mlp_dim", mlp_dim, "a positive width", "'dense'")
+
+
+def test_all_moe_model_needs_no_mlp_dim():
+    assert _model(mlp_dim=None, layers=(Segment(("moe",), 2),)).num_layers == 2
+
+
+def test_empty_segment_unit():
+    with pytest.raises(ValueError) as excinfo:
+        Segment((), 3)
+    _assert_names(str(excinfo.value), "Segment", "unit", (), "non-empty", "'dense' | 'moe'")
+
+
+@pytest.mark.parametrize("repeats", [0, -1])
+def test_segment_repeats_not_positive(repeats):
+    with pytest.raises(ValueError) as excinfo:
+        Segment(("moe",), repeats)
+    _assert_names(str(excinfo.value), "Segment", "repeats", repeats, "a positive number")
+
+
+def test_model_without_layers():
+    with pytest.raises(ValueError) as excinfo:
+        _model(layers=())
+    _assert_names(str(excinfo.value), "ModelConfig", "layers", (), "at least one Segment")
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _model().vocab_size = 3  # type: ignore[misc]
+
+
+def test_replace_revalidates():
+    with pytest.raises(ValueError, match=re.escape("ModelConfig.embed_dim=0")):
+        _model().replace(embed_dim=0)
+
+
+# --- segments_from_kinds ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected"),
+    [
+        (["moe"] * 48, (Segment(("moe",), 48),)),
+        (["dense", "moe"] * 6, (Segment(("dense", "moe"), 6),)),
+        (["dense"] + ["moe"] * 5, (Segment(("dense",), 1), Segment(("moe",), 5))),
+        (["moe", "moe", "moe", "dense"], (Segment(("moe",), 3), Segment(("dense",), 1))),
+        (["dense"], (Segment(("dense",), 1),)),
+        (("moe", "dense"), (Segment(("moe",), 1), Segment(("dense",), 1))),
+    ],
+    ids=["moe*48", "dense-moe*6", "dense+moe*5", "moe*3+dense", "single", "tuple-input"],
+)
+def test_segments_from_kinds(kinds, expected):
+    assert segments_from_kinds(kinds) == expected
+
+
+def test_segments_from_kinds_empty():
+    with pytest.raises(ValueError, match="at least one layer"):
+        segments_from_kinds([])
+
+
+def _expand(segments: tuple[Segment, ...]) -> list[str]:
+    return [kind for segment in segments for _ in range(segment.repeats) for kind in segment.unit]
+
+
+@given(st.lists(st.sampled_from(["dense", "moe"]), min_size=1, max_size=30))
+def test_segments_from_kinds_round_trips(kinds):
+    segments = segments_from_kinds(kinds)
+    assert _expand(segments) == kinds
+    assert all(isinstance(segment, Segment) and segment.repeats >= 1 for segment in segments)
+    assert len(segments) <= len(kinds)
+    # ModelConfig numbers layers the same way.
+    model = _model(layers=segments)
+    assert list(model.layer_kinds()) == kinds
+    assert model.num_layers == len(kinds)
+
+
+# --- Hugging Face layer kinds ---------------------------------------------------------------------------
+
+
+def _hf_rule(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
+    return [
+        "moe" if (i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0) else "dense"
+        for i in range(num_layers)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "num_experts", "sparse_step", "mlp_only", "expected"),
+    [
+        (4, 8, 1, [], ["moe"] * 4),
+        (4, 8, 2, [], ["dense", "moe", "dense", "moe"]),
+        (3, 8, 1, [0], ["dense", "moe", "moe"]),
+        (6, 8, 3, [5], ["dense", "dense", "moe", "dense", "dense", "dense"]),
+        (3, 0, 1, [], ["dense"] * 3),
+        (4, 8, 1, [1, 3], ["moe", "dense", "moe", "dense"]),
+        (2, 8, 1, [7], ["moe", "moe"]),
+    ],
+)
+def test_layer_kinds_from_hf(num_layers, num_experts, sparse_step, mlp_only, expected):
+    assert layer_kinds_from_hf(num_layers, num_experts, sparse_step, mlp_only) == expected
+    assert expected == _hf_rule(num_layers, num_experts, sparse_step, mlp_only)
+
+
+# --- presets --------------------------------------------------------------------------------------------
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(ValueError) as excinfo:
+        presets.get("nope")
+    message = str(excinfo.value)
+    assert "'nope'" in message
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-moe-tiny"):
+        assert name in message
+    assert all(name in message for name in presets.names())
+
+
+def test_known_preset():
+    config = presets.get("qwen3-30b-a3b")
+    assert config.layers == (Segment(("moe",), 48),)
+    assert config.moe.router.num_experts == 128 and config.moe.router.top_k == 8

@@ -1,0 +1,139 @@
+"""Scanned vs unrolled stacks, and the dropless grouped dispatch vs the dense reference."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eqmoe import presets
+from eqmoe.config import MoEConfig, RouterConfig, segments_from_kinds
+from eqmoe.losses import objective
+from eqmoe.model import Transformer
+from eqmoe.nn import dispatch
+from eqmoe.nn.moe import MoE
+
+SMALL = presets.get("qwen3-moe-tiny").replace(
+    vocab_size=64, embed_dim=32, layers=segments_from_kinds(["dense", "moe", "moe", "dense", "moe", "moe"]),
+    mlp_dim=48,
+)
+
+
+@eqx.filter_jit
+def _loss_and_grads(model, tokens):
+    def loss_fn(model):
+        return objective(model(tokens), tokens, jnp.ones(tokens.shape, bool), model.config)[0]
+
+    return eqx.filter_value_and_grad(loss_fn)(model)
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_scanned_and_unrolled_stacks_agree(remat):
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, SMALL.vocab_size)
+    scanned = Transformer(SMALL.replace(remat=remat), key=jax.random.key(0))
+    unrolled = Transformer(SMALL.replace(scan_layers=False, remat=remat), key=jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_array_equal(a, b)
+    out_s, out_u = eqx.filter_jit(scanned)(tokens), eqx.filter_jit(unrolled)(tokens)
+    np.testing.assert_allclose(out_s.logits, out_u.logits, atol=1e-6, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), out_s.aux, out_u.aux)
+    (loss_s, grads_s), (loss_u, grads_u) = _loss_and_grads(scanned, tokens), _loss_and_grads(unrolled, tokens)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads_u), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_router_stats_are_in_layer_order():
+    """A unit of two MoE blocks scanned three times reports six layers in checkpoint order."""
+    config = SMALL.replace(layers=segments_from_kinds(["moe", "moe"] * 3))
+    model = Transformer(config, key=jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(3), (1, 6), 0, config.vocab_size)
+    aux = eqx.filter_jit(model)(tokens).aux
+    assert aux.expert_counts.shape == (6, config.moe.router.num_experts)
+    unrolled = Transformer(config.replace(scan_layers=False), key=jax.random.key(2))
+    np.testing.assert_allclose(aux.prob_sum, eqx.filter_jit(unrolled)(tokens).aux.prob_sum, atol=1e-6)
+    assert float(aux.expert_counts.sum()) == 6 * 6 * config.moe.router.top_k
+
+
+def _moe_case(num_experts, top_k, embed=8, width=6, seed=0):
+    config = MoEConfig(RouterConfig(num_experts=num_experts, top_k=top_k), expert_dim=width, dispatch="dense")
+    return MoE(embed, config, std=0.5, dtype=jnp.float32, key=jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_size"))
+def _dispatch_outputs_and_grads(backend, moe, x, weights, experts, block_size):
+    def f(x, weights, params):
+        y = dispatch.BACKENDS[backend](x, weights, experts, params, block_size)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, weights, moe.experts)
+    return y, grads
+
+
+def _check_agreement(moe, x, weights, experts, block_size):
+    y_ref, g_ref = _dispatch_outputs_and_grads("dense", moe, x, weights, experts, block_size)
+    y, g = _dispatch_outputs_and_grads("sorted", moe, x, weights, experts, block_size)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), g, g_ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_experts", "top_k", "tokens", "block_size"),
+    [("typical", 8, 2, 24, 4), ("top_k = num_experts", 4, 4, 10, 3), ("one token", 6, 2, 1, 4),
+     ("blocks larger than all slots", 5, 2, 7, 64)],
+)
+def test_sorted_dispatch_matches_dense(name, num_experts, top_k, tokens, block_size):
+    moe = _moe_case(num_experts, top_k)
+    x = jax.random.normal(jax.random.key(5), (tokens, 8))
+    routing = moe.router(x)
+    _check_agreement(moe, x, routing.weights, routing.experts, block_size)
+
+
+def test_sorted_dispatch_all_tokens_to_one_expert_and_empty_experts():
+    moe = _moe_case(6, 2)
+    x = jax.random.normal(jax.random.key(6), (9, 8))
+    experts = jnp.tile(jnp.array([[4, 1]]), (9, 1))  # expert 4 takes every token; 0, 2, 3, 5 are empty
+    weights = jax.random.uniform(jax.random.key(7), (9, 2))
+    _check_agreement(moe, x, weights, experts, block_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_sorted_dispatch_random_routings(data):
+    """Random routings of 16 tokens over 6 experts, top-3, blocks of 4 (one compiled program)."""
+    num_experts, top_k, tokens = 6, 3, 16
+    experts = jnp.array([data.draw(st.permutations(range(num_experts)))[:top_k] for _ in range(tokens)])
+    seed = data.draw(st.integers(0, 2**16))
+    moe = _moe_case(num_experts, top_k)
+    key_x, key_w = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(key_x, (tokens, 8))
+    weights = jax.random.uniform(key_w, (tokens, top_k))
+    _check_agreement(moe, x, weights, experts, block_size=4)
+
+
+@settings(max_examples=10, deadline=None)
+@given(expert=st.integers(0, 5), skew=st.floats(0.0, 1.0))
+def test_sorted_dispatch_skewed_routings(expert, skew):
+    """Most tokens on one expert, so its group spans several blocks while others are empty."""
+    tokens = 16
+    crowded = int(skew * tokens)
+    first = jnp.where(jnp.arange(tokens) < crowded, expert, jnp.arange(tokens) % 6)
+    second = (first + 1 + jnp.arange(tokens) % 5) % 6
+    experts = jnp.stack([first, second], axis=1)
+    moe = _moe_case(6, 2)
+    x = jax.random.normal(jax.random.key(expert), (tokens, 8))
+    _check_agreement(moe, x, jnp.full((tokens, 2), 0.5), experts, block_size=4)
+
+
+def test_model_with_each_backend_agrees():
+    tokens = jax.random.randint(jax.random.key(8), (2, 7), 0, SMALL.vocab_size)
+    outputs = {}
+    for backend in ("dense", "sorted", "auto"):
+        config = SMALL.replace(moe=MoEConfig(SMALL.moe.router, SMALL.moe.expert_dim, dispatch=backend, block_size=4))
+        outputs[backend] = Transformer(config, key=jax.random.key(0))(tokens).logits
+    np.testing.assert_allclose(outputs["sorted"], outputs["dense"], atol=1e-5)
+    np.testing.assert_allclose(outputs["auto"], outputs["dense"], atol=1e-5)
