@@ -1,7 +1,9 @@
-"""Hugging Face checkpoints: read a Qwen3-MoE folder (``config.json`` + safetensors) into a Transformer."""
+"""Hugging Face checkpoints: Qwen3-MoE folders (``config.json`` + safetensors) to and from a Transformer."""
 
 import json
 import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import equinox as eqx
@@ -12,7 +14,7 @@ import numpy as np
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
-from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf
+from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf, config_to_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -145,3 +147,31 @@ def load(folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32) -> Transfo
     assert not unfilled, f"checkpoint name map leaves parameters unset: {unfilled}"
 
     return jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers[_leaf_path(p)]), abstract)
+
+
+def save(model: Transformer, folder: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``model`` as a Hugging Face Qwen3-MoE folder (``config.json`` + ``model.safetensors``).
+
+    The folder is assembled under a temporary name beside ``folder`` and renamed into place, so a
+    failure never leaves a half-written checkpoint. An existing ``folder`` is refused unless ``overwrite``.
+    """
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise FileExistsError(f"{folder}: already exists (pass overwrite=True to replace it)")
+    hf_config = config_to_hf(model.config)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tensors = {key: np.ascontiguousarray(value) for key, value in state_dict(model).items()}
+        save_file(tensors, str(staging / SINGLE_FILE), metadata={"format": "pt"})
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+

@@ -185,3 +185,48 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
                     prefix + f"mlp.experts.{j}.{proj}_proj.weight", (*block, "ffn", "experts", leaf), (r, j), 1
                 ))
     return names
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dictionary for ``config``; a ``ValueError`` names the first field
+    that transformers' Qwen3-MoE cannot express."""
+    moe = config.moe
+    unsupported = [
+        ("norm.ffn_placement", config.norm.ffn_placement, "pre"),
+        ("attention.qk_norm", config.attention.qk_norm, "before_rope"),
+        ("attention.rope_layout", config.attention.rope_layout, "half_split"),
+        ("moe.router.score", moe.router.score if moe else "softmax", "softmax"),
+    ]
+    for name, value, allowed in unsupported:
+        if value != allowed:
+            raise ValueError(f"{name}={value!r} has no Hugging Face Qwen3-MoE equivalent; allowed: {allowed!r}")
+    if moe is None:
+        raise ValueError("moe=None has no Hugging Face Qwen3-MoE equivalent; a MoEConfig is needed")
+    kinds = config.layer_kinds()
+    attention = config.attention
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim or moe.expert_dim,
+        "moe_intermediate_size": moe.expert_dim,
+        "num_hidden_layers": len(kinds),
+        "num_attention_heads": attention.num_heads,
+        "num_key_value_heads": attention.num_kv_heads,
+        "head_dim": attention.head_dim,
+        "num_experts": moe.router.num_experts,
+        "num_experts_per_tok": moe.router.top_k,
+        "norm_topk_prob": moe.router.renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
+        "rms_norm_eps": config.norm.eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": attention.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "router_aux_loss_coef": moe.router.load_balance_weight,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "max_position_embeddings": 32768,
+        "dtype": config.param_dtype,
+    }
