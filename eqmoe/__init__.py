@@ -5,6 +5,13 @@ from eqmoe.config import AttentionConfig, ModelConfig, MoEConfig, NormConfig, Ro
 from eqmoe.model import ModelOutput, Transformer
 
 __all__ = [
-    "AttentionConfig", "ModelConfig", "ModelOutput", "MoEConfig", "NormConfig", "RouterConfig", "Segment",
-    "Transformer", "presets",
+    "AttentionConfig",
+    "ModelConfig",
+    "ModelOutput",
+    "MoEConfig",
+    "NormConfig",
+    "RouterConfig",
+    "Segment",
+    "Transformer",
+    "presets",
 ]

@@ -32,24 +32,45 @@ def _one_of(owner: str, name: str, value: object, allowed: tuple) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Grouped-query attention with rotary positions and optional per-head QK-norm."""
+    """Grouped-query attention with rotary positions and optional per-head QK-norm.
+
+    ``rope_layout``: ``"half_split"`` rotates dimension ``i`` with ``i + head_dim/2`` (HF, MaxText);
+    ``"interleaved"`` rotates pairs ``(2i, 2i+1)`` (AXLearn, GPT-J).
+    ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys ``"before_rope"`` (HF Qwen3, MaxText Envy)
+    or ``"after_rope"`` (AXLearn Envy, where the query scale ``head_dim^-0.5`` follows the norm).
+    """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 1e6
-    rope_layout: Literal["half_split"] = "half_split"
-    qk_norm: Literal["none", "before_rope"] = "before_rope"
+    rope_layout: Literal["half_split", "interleaved"] = "half_split"
+    qk_norm: Literal["none", "before_rope", "after_rope"] = "before_rope"
 
     def __post_init__(self):
-        _positive("AttentionConfig", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                  head_dim=self.head_dim, rope_theta=self.rope_theta)
-        _check(self.num_heads % self.num_kv_heads == 0, "AttentionConfig", "num_kv_heads", self.num_kv_heads,
-               f"a divisor of num_heads={self.num_heads}")
-        _check(self.head_dim % 2 == 0, "AttentionConfig", "head_dim", self.head_dim,
-               "an even number (RoPE rotates pairs of dimensions)")
-        _one_of("AttentionConfig", "rope_layout", self.rope_layout, ("half_split",))
-        _one_of("AttentionConfig", "qk_norm", self.qk_norm, ("none", "before_rope"))
+        _positive(
+            "AttentionConfig",
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+        )
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "AttentionConfig",
+            "num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads}",
+        )
+        _check(
+            self.head_dim % 2 == 0,
+            "AttentionConfig",
+            "head_dim",
+            self.head_dim,
+            "an even number (RoPE rotates pairs of dimensions)",
+        )
+        _one_of("AttentionConfig", "rope_layout", self.rope_layout, ("half_split", "interleaved"))
+        _one_of("AttentionConfig", "qk_norm", self.qk_norm, ("none", "before_rope", "after_rope"))
 
 
 @dataclass(frozen=True)
@@ -58,39 +79,81 @@ class NormConfig:
 
     ``ffn_placement``: ``"pre"`` is ``x + ffn(norm(x))``; ``"post"`` is ``norm(x + ffn(x))``;
     ``"hybrid"`` is ``x + postnorm(ffn(prenorm(x)))`` (AXLearn's names).
+    ``stats_dtype``: the mean square is taken in ``"float32"`` (HF) or in the ``"input"`` dtype (AXLearn).
     """
 
     eps: float = 1e-6
     ffn_placement: Literal["pre", "post", "hybrid"] = "pre"
+    stats_dtype: Literal["float32", "input"] = "float32"
 
     def __post_init__(self):
         _positive("NormConfig", eps=self.eps)
         _one_of("NormConfig", "ffn_placement", self.ffn_placement, ("pre", "post", "hybrid"))
+        _one_of("NormConfig", "stats_dtype", self.stats_dtype, ("float32", "input"))
+
+
+RouterStrategy = Literal["softmax_top_k", "top_k_softmax", "top2_gating"]
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Which experts a token goes to and with what weight.
 
-    ``renormalize`` divides the k selected weights by their sum (HF ``norm_topk_prob``).
-    ``load_balance_weight`` and ``z_loss_weight`` are the coefficients of the router losses in the
-    training objective (HF ``router_aux_loss_coef``; z-loss is ``mean(logsumexp(logits)^2)``).
+    ``strategy``:
+
+    - ``"softmax_top_k"``: softmax over all experts, the ``top_k`` largest; divided by their sum when
+      ``renormalize`` (HF Qwen3 ``norm_topk_prob``). ``top_k=1, renormalize=False`` is Switch routing.
+    - ``"top_k_softmax"``: the ``top_k`` largest logits, softmax over those only (MaxText).
+    - ``"top2_gating"``: AXLearn Top2Gating: softmax, top-2, ``g_i / (g1 + g2 + 1e-9)``.
+
+    ``capacity_factor`` (``None`` = dropless) caps each expert at ``max(1, int(S * factor / E))``
+    assignments per group of ``S`` tokens (the batch's tokens split into ``num_groups`` groups); every
+    rank-1 assignment is placed before any rank-2 one, earlier tokens first within a rank; a dropped
+    assignment contributes nothing and the kept weights are not renormalised.
     """
 
     num_experts: int
     top_k: int
-    score: Literal["softmax"] = "softmax"
+    strategy: RouterStrategy = "softmax_top_k"
     renormalize: bool = True
-    load_balance_weight: float = 0.001
-    z_loss_weight: float = 0.0
+    capacity_factor: float | None = None
+    num_groups: int = 1
 
     def __post_init__(self):
-        _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k)
-        _check(self.top_k <= self.num_experts, "RouterConfig", "top_k", self.top_k,
-               f"1..num_experts={self.num_experts}")
-        _one_of("RouterConfig", "score", self.score, ("softmax",))
-        for name in ("load_balance_weight", "z_loss_weight"):
-            _check(getattr(self, name) >= 0, "RouterConfig", name, getattr(self, name), "a number >= 0")
+        _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k, num_groups=self.num_groups)
+        _check(
+            self.top_k <= self.num_experts, "RouterConfig", "top_k", self.top_k, f"1..num_experts={self.num_experts}"
+        )
+        _one_of("RouterConfig", "strategy", self.strategy, ("softmax_top_k", "top_k_softmax", "top2_gating"))
+        if self.strategy == "top2_gating":
+            _check(self.top_k == 2, "RouterConfig", "top_k", self.top_k, "2 with strategy='top2_gating'")
+        if self.capacity_factor is not None:
+            _positive("RouterConfig", capacity_factor=self.capacity_factor)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which losses enter the training objective, and with what weights (all are reported regardless).
+
+    ``load_balance`` picks the load-balancing form that is trained:
+
+    - ``"hf_pooled"``: HF ``E * sum_e f_e P_e`` with top-k fractions pooled over all MoE layers and tokens;
+    - ``"axlearn_top1"``: ``E^2 * mean_{groups, e}(f_e P_e)`` with ``f_e`` the top-1 fraction, per layer;
+    - ``"maxtext_sequence"``: ``E^2 * mean_{b, e}(density P)`` per sequence, averaged over layers.
+
+    ``router_z_loss_weight`` multiplies ``mean(logsumexp(router_logits)^2)``; ``output_z_loss_weight``
+    multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens.
+    """
+
+    load_balance: Literal["hf_pooled", "axlearn_top1", "maxtext_sequence"] = "hf_pooled"
+    load_balance_weight: float = 0.001
+    router_z_loss_weight: float = 0.0
+    output_z_loss_weight: float = 0.0
+
+    def __post_init__(self):
+        _one_of("LossConfig", "load_balance", self.load_balance, ("hf_pooled", "axlearn_top1", "maxtext_sequence"))
+        for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight"):
+            _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
 
 
 @dataclass(frozen=True)
@@ -99,17 +162,27 @@ class MoEConfig:
 
     ``dispatch``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
-    ``"auto"`` picks the fast backend for the platform.
+    ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity factor);
+    ``"auto"`` picks ``capacity`` for capacity routing and the fast dropless backend otherwise.
+    Every backend gives the same numbers for the same routing.
     """
 
     router: RouterConfig
     expert_dim: int
-    dispatch: Literal["dense", "sorted", "auto"] = "auto"
+    dispatch: Literal["dense", "sorted", "capacity", "auto"] = "auto"
     block_size: int = 64
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
-        _one_of("MoEConfig", "dispatch", self.dispatch, ("dense", "sorted", "auto"))
+        _one_of("MoEConfig", "dispatch", self.dispatch, ("dense", "sorted", "capacity", "auto"))
+        if self.dispatch == "capacity":
+            _check(
+                self.router.capacity_factor is not None,
+                "MoEConfig",
+                "dispatch",
+                self.dispatch,
+                "dense | sorted | auto when router.capacity_factor is None",
+            )
 
 
 @dataclass(frozen=True)
@@ -142,6 +215,10 @@ class ModelConfig:
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the parameters.
     ``scan_layers=False`` unrolls each segment into a Python loop (same numbers, larger program).
     ``remat="block"`` recomputes each repeat unit's activations in the backward pass.
+    ``init``: ``"normal"`` draws every weight from N(0, init_std^2) (HF ``initializer_range``);
+    ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
+    ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
+    ``embed_dim^-0.5`` (``"rsqrt_embed"``, MaxText).
     """
 
     vocab_size: int
@@ -151,7 +228,10 @@ class ModelConfig:
     mlp_dim: int | None = None
     moe: MoEConfig | None = None
     norm: NormConfig = field(default_factory=NormConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     tie_embeddings: bool = False
+    tied_logit_scale: Literal["none", "rsqrt_embed"] = "none"
+    init: Literal["normal", "fan_in"] = "normal"
     init_std: float = 0.02
     dtype: DType = "float32"
     param_dtype: DType = "float32"
@@ -165,11 +245,18 @@ class ModelConfig:
         if "moe" in kinds:
             _check(self.moe is not None, "ModelConfig", "moe", self.moe, "a MoEConfig when a segment has 'moe'")
         if "dense" in kinds:
-            _check(self.mlp_dim is not None and self.mlp_dim > 0, "ModelConfig", "mlp_dim", self.mlp_dim,
-                   "a positive width when a segment has 'dense'")
+            _check(
+                self.mlp_dim is not None and self.mlp_dim > 0,
+                "ModelConfig",
+                "mlp_dim",
+                self.mlp_dim,
+                "a positive width when a segment has 'dense'",
+            )
         _one_of("ModelConfig", "dtype", self.dtype, _DTYPES)
         _one_of("ModelConfig", "param_dtype", self.param_dtype, _DTYPES)
         _one_of("ModelConfig", "remat", self.remat, ("none", "block"))
+        _one_of("ModelConfig", "init", self.init, ("normal", "fan_in"))
+        _one_of("ModelConfig", "tied_logit_scale", self.tied_logit_scale, ("none", "rsqrt_embed"))
 
     @property
     def num_layers(self) -> int:

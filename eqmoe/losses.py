@@ -1,4 +1,4 @@
-"""Training losses: next-token cross-entropy and the router losses, every term reported separately."""
+"""Training losses: next-token cross-entropy, output z-loss and the router losses, every term reported."""
 
 import jax
 import jax.numpy as jnp
@@ -9,21 +9,29 @@ from eqmoe.model import ModelOutput
 from eqmoe.nn.router import RouterStats
 
 
+def next_token_losses(
+    logits: Float[Array, "batch seq vocab"], tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"]
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """Mean cross-entropy of predicting ``tokens[:, t + 1]`` from position ``t`` and mean
+    ``logsumexp(logits)^2`` (the output z-loss), in float32, over the targets where ``target_mask`` is
+    true (HF ``ForCausalLMLoss`` with ignore index -100)."""
+    logits = logits[:, :-1].astype(jnp.float32)
+    keep = target_mask[:, 1:].astype(jnp.float32)
+    count = jnp.maximum(keep.sum(), 1.0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum((lse - target_logits) * keep) / count, jnp.sum(jnp.square(lse) * keep) / count
+
+
 def next_token_cross_entropy(
     logits: Float[Array, "batch seq vocab"], tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"]
 ) -> Float[Array, ""]:
-    """Mean cross-entropy of predicting ``tokens[:, t + 1]`` from position ``t``, in float32, over the
-    targets where ``target_mask`` is true (HF ``ForCausalLMLoss`` with ignore index -100)."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    targets = tokens[:, 1:]
-    keep = target_mask[:, 1:].astype(jnp.float32)
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    losses = jax.nn.logsumexp(logits, axis=-1) - target_logits
-    return jnp.sum(losses * keep) / jnp.maximum(keep.sum(), 1.0)
+    """The cross-entropy half of :func:`next_token_losses`."""
+    return next_token_losses(logits, tokens, target_mask)[0]
 
 
 def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
-    """HF ``load_balancing_loss_func``: ``E * sum_e f_e * P_e`` with ``f_e`` (top-k slots per token
+    """HF ``load_balancing_loss_func``: ``E * sum_e f_e * P_e`` with ``f_e`` (top-k assignments per token
     choosing ``e``) and ``P_e`` (mean probability) pooled over all MoE layers and all real tokens."""
     num_experts = aux.expert_counts.shape[-1]
     rows = jnp.maximum(aux.num_tokens.sum(), 1.0)
@@ -33,14 +41,26 @@ def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
 def objective(
     output: ModelOutput, tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"], config: ModelConfig
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
-    """The training loss ``CE + load_balance_weight * LB + z_loss_weight * Z`` and each of its terms."""
-    cross_entropy = next_token_cross_entropy(output.logits, tokens, target_mask)
-    terms = {"cross_entropy": cross_entropy}
-    loss = cross_entropy
-    if output.aux is not None and config.moe is not None:
-        router = config.moe.router
-        terms["load_balance"] = pooled_load_balance(output.aux)
+    """The training loss and every term, trained or not.
+
+    ``loss = CE + output_z_loss_weight * output_z + load_balance_weight * LB[load_balance]
+    + router_z_loss_weight * router_z`` with the weights and the load-balancing form from ``config.loss``.
+    """
+    weights = config.loss
+    cross_entropy, output_z = next_token_losses(output.logits, tokens, target_mask)
+    terms = {"cross_entropy": cross_entropy, "output_z_loss": output_z}
+    loss = cross_entropy + weights.output_z_loss_weight * output_z
+    if output.aux is not None:
+        balance = {
+            "hf_pooled": pooled_load_balance(output.aux),
+            "axlearn_top1": jnp.mean(output.aux.top1_balance),
+            "maxtext_sequence": jnp.mean(output.aux.sequence_balance),
+        }
+        terms.update({f"load_balance_{name}": value for name, value in balance.items()})
+        terms["load_balance"] = balance[weights.load_balance]
         terms["router_z_loss"] = jnp.mean(output.aux.z_loss)
-        loss = loss + router.load_balance_weight * terms["load_balance"] + router.z_loss_weight * terms["router_z_loss"]
+        terms["dropped_fraction"] = jnp.mean(output.aux.dropped_fraction)
+        loss = loss + weights.load_balance_weight * terms["load_balance"]
+        loss = loss + weights.router_z_loss_weight * terms["router_z_loss"]
     terms["loss"] = loss
     return loss, terms

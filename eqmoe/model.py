@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import ModelConfig
-from eqmoe.nn._init import normal
 from eqmoe.nn.attention import attention_mask
+from eqmoe.nn.block import model_init
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import rope_tables
 from eqmoe.nn.router import RouterStats
@@ -41,15 +41,18 @@ class Transformer(eqx.Module):
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         k_embed, k_head, *k_segments = jax.random.split(key, 2 + len(config.layers))
-        dtype = jnp.dtype(config.param_dtype)
-        self.embed = normal(k_embed, (config.vocab_size, config.embed_dim), config.init_std, dtype)
+        init = model_init(config)
+        self.embed = init.embedding(k_embed, config.vocab_size, config.embed_dim)
         self.segments = tuple(
             RepeatedUnit(segment, config, key=k) for segment, k in zip(config.layers, k_segments, strict=True)
         )
-        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm.eps, dtype=dtype)
+        self.final_norm = RMSNorm(
+            config.embed_dim, eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype
+        )
         self.lm_head = (
-            None if config.tie_embeddings
-            else normal(k_head, (config.embed_dim, config.vocab_size), config.init_std, dtype)
+            None
+            if config.tie_embeddings
+            else init.weight(k_head, (config.embed_dim, config.vocab_size), fan_in=config.embed_dim)
         )
         self.config = config
 
@@ -71,7 +74,7 @@ class Transformer(eqx.Module):
             token_mask = jnp.ones((batch, seq), bool)
 
         attn = self.config.attention
-        cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, jnp.dtype(self.config.dtype))
+        cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout)
         mask = attention_mask(segment_ids, token_mask)
         x = model.embed[tokens]
         layer_stats = []
@@ -80,7 +83,12 @@ class Transformer(eqx.Module):
             if stats is not None:
                 layer_stats.append(stats)
         x = model.final_norm(x)
-        logits = x @ model.embed.T if model.lm_head is None else x @ model.lm_head
+        if model.lm_head is not None:
+            logits = x @ model.lm_head
+        else:
+            logits = x @ model.embed.T
+            if self.config.tied_logit_scale == "rsqrt_embed":
+                logits = logits * self.config.embed_dim**-0.5
         aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_stats) if layer_stats else None
         return ModelOutput(logits, aux)
 

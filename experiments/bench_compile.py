@@ -83,7 +83,8 @@ def main(args: Args) -> int:
     time_compile(config(min(args.layers), True), args.batch, args.seq)  # warm-up: backend start, caches
     timings = [
         Timing(layers, scan, *time_compile(config(layers, scan), args.batch, args.seq))
-        for scan in (True, False) for layers in args.layers
+        for scan in (True, False)
+        for layers in args.layers
     ]
 
     backend = jax.default_backend()
@@ -103,8 +104,15 @@ def main(args: Args) -> int:
 
     if args.out is not None:
         results = [{**asdict(t), "total_s": t.total_s} for t in timings]
-        report = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "backend": backend,
-                  "jax": jax.__version__, "results": results, f"ratio_{last}_over_{first}": ratios}
+        report = {
+            "preset": args.preset,
+            "batch": args.batch,
+            "seq": args.seq,
+            "backend": backend,
+            "jax": jax.__version__,
+            "results": results,
+            f"ratio_{last}_over_{first}": ratios,
+        }
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

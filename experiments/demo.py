@@ -89,13 +89,16 @@ def main(args: Args) -> int:
     for step in range(args.steps):
         model, opt_state, terms = train_step(jax.random.fold_in(data_key, step), model, opt_state)
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {float(terms['loss']):.4f}  cross-entropy {float(terms['cross_entropy']):.4f}"
-                  f"  load-balance {float(terms['load_balance']):.3f}  {time.perf_counter() - start:6.1f}s")
+            print(
+                f"step {step:4d}  loss {float(terms['loss']):.4f}  cross-entropy {float(terms['cross_entropy']):.4f}"
+                f"  load-balance {float(terms['load_balance']):.3f}  {time.perf_counter() - start:6.1f}s"
+            )
 
     tokens = counting_rows(jax.random.key(args.seed + 1), args.batch, args.seq, config.vocab_size)
     output = eqx.filter_jit(model)(tokens)
-    print("\nexpert load per MoE layer (fraction of routed slots; uniform is "
-          f"{1 / config.moe.router.num_experts:.3f}):")
+    print(
+        f"\nexpert load per MoE layer (fraction of routed slots; uniform is {1 / config.moe.router.num_experts:.3f}):"
+    )
     for layer, load in enumerate(output.aux.load):
         print(f"  layer {layer}: " + " ".join(f"{x:.3f}" for x in load.tolist()))
 

@@ -5,9 +5,18 @@ from pathlib import Path
 import pytest
 
 TINY_HF = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=24,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
 

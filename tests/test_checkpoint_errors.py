@@ -52,9 +52,7 @@ def _expected_tensors(folder: Path) -> dict[str, tuple[int, ...]]:
     config = hf.read_config(folder)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {hf._leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-    return {
-        name.key: hf._checkpoint_shape(name, leaves[name.path].shape) for name in checkpoint_names(config)
-    }
+    return {name.key: hf._checkpoint_shape(name, leaves[name.path].shape) for name in checkpoint_names(config)}
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -215,9 +213,7 @@ def test_no_weights_file(folder):
 # --- config.json ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "field", ["hidden_size", "vocab_size", "num_experts_per_tok", "moe_intermediate_size"]
-)
+@pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_experts_per_tok", "moe_intermediate_size"])
 def test_config_missing_required_field(folder, field):
     config = dict(HF_CONFIG)
     del config[field]
@@ -440,8 +436,9 @@ def test_hand_written_bf16_file_reads_back(tmp_path):
     """The byte layout of a BF16 tensor, written without safetensors: the reader must agree with it."""
     values = np.array([[1.0, -2.5, 3.140625], [0.0, 1e-3, -7.0]], np.float32).astype(ml_dtypes.bfloat16)
     raw = values.tobytes()
-    header = json.dumps({"__metadata__": {"format": "pt"},
-                         "x": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, len(raw)]}}).encode()
+    header = json.dumps(
+        {"__metadata__": {"format": "pt"}, "x": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, len(raw)]}}
+    ).encode()
     header += b" " * (-len(header) % 8)
     path = tmp_path / "x.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + raw)
@@ -490,10 +487,11 @@ def test_integer_tensor_is_refused(folder, tensors):
         hf.load(folder)
 
 
-@pytest.mark.parametrize(("field", "value"), [("hidden_size", "16"), ("num_key_value_heads", 0),
-                                              ("mlp_only_layers", "0"), ("rope_parameters", [1])])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_size", "16"), ("num_key_value_heads", 0), ("mlp_only_layers", "0"), ("rope_parameters", [1])],
+)
 def test_config_field_of_wrong_type(folder, field, value):
     _write_config(folder, {**HF_CONFIG, field: value})
     with pytest.raises(ValueError, match=field):
         hf.load(folder)
-

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from eqmoe import presets
 from eqmoe.config import (
     AttentionConfig,
+    LossConfig,
     ModelConfig,
     MoEConfig,
     NormConfig,
@@ -43,10 +44,17 @@ def _moe(**changes) -> MoEConfig:
 
 
 def _model(**changes) -> ModelConfig:
-    return ModelConfig(**{
-        "vocab_size": 10, "embed_dim": 16, "attention": _attention(),
-        "layers": (Segment(("dense", "moe"), 2),), "mlp_dim": 32, "moe": _moe(), **changes,
-    })
+    return ModelConfig(
+        **{
+            "vocab_size": 10,
+            "embed_dim": 16,
+            "attention": _attention(),
+            "layers": (Segment(("dense", "moe"), 2),),
+            "mlp_dim": 32,
+            "moe": _moe(),
+            **changes,
+        }
+    )
 
 
 def _assert_names(message: str, owner: str, field: str, value: object, *allowed: str) -> None:
@@ -106,9 +114,7 @@ _POSITIVE_FIELDS = [
 
 
 @pytest.mark.parametrize("value", [0, -2])
-@pytest.mark.parametrize(
-    ("make", "owner", "field"), _POSITIVE_FIELDS, ids=[f"{o}.{f}" for _, o, f in _POSITIVE_FIELDS]
-)
+@pytest.mark.parametrize(("make", "owner", "field"), _POSITIVE_FIELDS, ids=[f"{o}.{f}" for _, o, f in _POSITIVE_FIELDS])
 def test_non_positive_sizes(make, owner, field, value):
     if field in ("rope_theta", "eps", "init_std"):
         value = float(value)
@@ -117,20 +123,33 @@ def test_non_positive_sizes(make, owner, field, value):
     _assert_names(str(excinfo.value), owner, field, value, "a positive number")
 
 
-@pytest.mark.parametrize("name", ["load_balance_weight", "z_loss_weight"])
+@pytest.mark.parametrize("name", ["load_balance_weight", "router_z_loss_weight", "output_z_loss_weight"])
 def test_negative_loss_weights(name):
     with pytest.raises(ValueError) as excinfo:
-        _router(**{name: -0.1})
-    _assert_names(str(excinfo.value), "RouterConfig", name, -0.1, "a number >= 0")
+        LossConfig(**{name: -0.1})
+    _assert_names(str(excinfo.value), "LossConfig", name, -0.1, "a number >= 0")
+
+
+def test_top2_gating_needs_top_k_2_and_capacity_dispatch_needs_a_factor():
+    with pytest.raises(ValueError, match="top_k=3 is invalid; allowed: 2 with strategy='top2_gating'"):
+        _router(num_experts=4, top_k=3, strategy="top2_gating")
+    with pytest.raises(ValueError, match="MoEConfig.dispatch='capacity'"):
+        _moe(dispatch="capacity")
+    with pytest.raises(ValueError, match="capacity_factor=0.0"):
+        _router(capacity_factor=0.0)
 
 
 # Literal-typed fields: (valid instance, owner, field, bad value, every allowed value).
 _CHOICES = [
-    (_moe, "MoEConfig", "dispatch", "ragged", ("dense", "sorted", "auto")),
+    (_moe, "MoEConfig", "dispatch", "ragged", ("dense", "sorted", "capacity", "auto")),
     (NormConfig, "NormConfig", "ffn_placement", "sandwich", ("pre", "post", "hybrid")),
-    (_attention, "AttentionConfig", "qk_norm", "after_rope", ("none", "before_rope")),
-    (_attention, "AttentionConfig", "rope_layout", "interleaved", ("half_split",)),
-    (_router, "RouterConfig", "score", "sigmoid", ("softmax",)),
+    (NormConfig, "NormConfig", "stats_dtype", "float64", ("float32", "input")),
+    (_attention, "AttentionConfig", "qk_norm", "after_norm", ("none", "before_rope", "after_rope")),
+    (_attention, "AttentionConfig", "rope_layout", "sideways", ("half_split", "interleaved")),
+    (_router, "RouterConfig", "strategy", "sigmoid", ("softmax_top_k", "top_k_softmax", "top2_gating")),
+    (LossConfig, "LossConfig", "load_balance", "global", ("hf_pooled", "axlearn_top1", "maxtext_sequence")),
+    (_model, "ModelConfig", "init", "xavier", ("normal", "fan_in")),
+    (_model, "ModelConfig", "tied_logit_scale", "sqrt", ("none", "rsqrt_embed")),
     (_model, "ModelConfig", "dtype", "int8", ("float32", "bfloat16", "float16")),
     (_model, "ModelConfig", "param_dtype", "float64", ("float32", "bfloat16", "float16")),
     (_model, "ModelConfig", "remat", "full", ("none", "block")),
@@ -166,7 +185,7 @@ def test_unknown_strings_raise_value_error_without_the_type_check_hook():
         cases = [
             lambda: MoEConfig(RouterConfig(4, 2), 8, dispatch="ragged"),
             lambda: NormConfig(ffn_placement="sandwich"),
-            lambda: AttentionConfig(4, 2, 8, qk_norm="after_rope"),
+            lambda: AttentionConfig(4, 2, 8, qk_norm="after_norm"),
             lambda: Segment(("dense", "attention"), 2),
         ]
         for case in cases:
@@ -181,9 +200,9 @@ def test_unknown_strings_raise_value_error_without_the_type_check_hook():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines == [
-        "MoEConfig.dispatch='ragged' is invalid; allowed: dense | sorted | auto",
+        "MoEConfig.dispatch='ragged' is invalid; allowed: dense | sorted | capacity | auto",
         "NormConfig.ffn_placement='sandwich' is invalid; allowed: pre | post | hybrid",
-        "AttentionConfig.qk_norm='after_rope' is invalid; allowed: none | before_rope",
+        "AttentionConfig.qk_norm='after_norm' is invalid; allowed: none | before_rope | after_rope",
         "Segment.unit='attention' is invalid; allowed: dense | moe",
     ]
 

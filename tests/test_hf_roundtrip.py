@@ -28,14 +28,19 @@ def test_saved_model_loads_in_transformers_with_equal_logits(tmp_path):
 def test_hf_to_eqmoe_to_hf_is_bit_exact(tmp_path):
     save_tiny_hf(tmp_path / "hf", mlp_only_layers=[1], tie_word_embeddings=True)
     hf.save(hf.load(tmp_path / "hf"), tmp_path / "back")
-    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert set(original) == set(back)
     for key, value in original.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
 
 
 def test_save_refuses_an_existing_folder_and_leaves_no_partial_output(tmp_path):
-    model = Transformer(presets.get("qwen3-moe-tiny").replace(layers=segments_from_kinds(["moe"])), key=jax.random.key(1))
+    model = Transformer(
+        presets.get("qwen3-moe-tiny").replace(layers=segments_from_kinds(["moe"])), key=jax.random.key(1)
+    )
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError, match="already exists"):
         hf.save(model, tmp_path / "out")

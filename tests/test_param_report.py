@@ -55,7 +55,11 @@ def test_unknown_preset_exits_2(capsys):
 def test_cli_subprocess_json():
     result = subprocess.run(
         [sys.executable, "-m", "experiments.param_report", "--preset", "qwen3-moe-tiny", "--json"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -67,7 +71,11 @@ def test_cli_subprocess_json():
 def test_cli_subprocess_unknown_preset():
     result = subprocess.run(
         [sys.executable, "-m", "experiments.param_report", "--preset", "no-such-model"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -1,5 +1,6 @@
 """Scanned vs unrolled stacks, and the dropless grouped dispatch vs the dense reference."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -15,10 +16,14 @@ from eqmoe.config import MoEConfig, RouterConfig, segments_from_kinds
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
 from eqmoe.nn import dispatch
+from eqmoe.nn._init import Init
 from eqmoe.nn.moe import MoE
+from eqmoe.nn.router import Routing
 
 SMALL = presets.get("qwen3-moe-tiny").replace(
-    vocab_size=64, embed_dim=32, layers=segments_from_kinds(["dense", "moe", "moe", "dense", "moe", "moe"]),
+    vocab_size=64,
+    embed_dim=32,
+    layers=segments_from_kinds(["dense", "moe", "moe", "dense", "moe", "moe"]),
     mlp_dim=48,
 )
 
@@ -61,13 +66,23 @@ def test_router_stats_are_in_layer_order():
 
 def _moe_case(num_experts, top_k, embed=8, width=6, seed=0):
     config = MoEConfig(RouterConfig(num_experts=num_experts, top_k=top_k), expert_dim=width, dispatch="dense")
-    return MoE(embed, config, std=0.5, dtype=jnp.float32, key=jax.random.key(seed))
+    return MoE(embed, config, init=Init("normal", 0.5, jnp.dtype("float32")), key=jax.random.key(seed))
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "block_size"))
 def _dispatch_outputs_and_grads(backend, moe, x, weights, experts, block_size):
+    config = dataclasses.replace(moe.config, block_size=block_size)
+
     def f(x, weights, params):
-        y = dispatch.BACKENDS[backend](x, weights, experts, params, block_size)
+        routing = Routing(
+            weights,
+            experts,
+            jnp.ones(experts.shape, bool),
+            jnp.zeros_like(experts),
+            jnp.zeros((x.shape[0], config.router.num_experts)),
+            jnp.zeros((x.shape[0], config.router.num_experts)),
+        )
+        y = dispatch.BACKENDS[backend](x, routing, params, config)
         return jnp.sum(jnp.sin(y)), y
 
     (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, weights, moe.experts)
@@ -83,13 +98,17 @@ def _check_agreement(moe, x, weights, experts, block_size):
 
 @pytest.mark.parametrize(
     ("name", "num_experts", "top_k", "tokens", "block_size"),
-    [("typical", 8, 2, 24, 4), ("top_k = num_experts", 4, 4, 10, 3), ("one token", 6, 2, 1, 4),
-     ("blocks larger than all slots", 5, 2, 7, 64)],
+    [
+        ("typical", 8, 2, 24, 4),
+        ("top_k = num_experts", 4, 4, 10, 3),
+        ("one token", 6, 2, 1, 4),
+        ("blocks larger than all slots", 5, 2, 7, 64),
+    ],
 )
 def test_sorted_dispatch_matches_dense(name, num_experts, top_k, tokens, block_size):
     moe = _moe_case(num_experts, top_k)
     x = jax.random.normal(jax.random.key(5), (tokens, 8))
-    routing = moe.router(x)
+    routing = moe.router(x, jnp.ones(tokens, bool))
     _check_agreement(moe, x, routing.weights, routing.experts, block_size)
 
 

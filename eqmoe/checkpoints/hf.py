@@ -70,9 +70,9 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
 
 def _checkpoint_shape(name: TensorName, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The tensor's shape in the checkpoint: torch ``[out, in]`` for linear weights."""
-    piece = leaf_shape[len(name.index):]
+    piece = leaf_shape[len(name.index) :]
     if name.linear_in_dims:
-        return (math.prod(piece[name.linear_in_dims:]), math.prod(piece[: name.linear_in_dims]))
+        return (math.prod(piece[name.linear_in_dims :]), math.prod(piece[: name.linear_in_dims]))
     return piece
 
 
@@ -105,17 +105,21 @@ def _leaf_path(key_path) -> tuple[str | int, ...]:
     return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
 
 
-def load(folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32) -> Transformer:
-    """Load a Hugging Face Qwen3-MoE folder as a :class:`Transformer` whose parameters are ``dtype``.
+def load(
+    folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32, compute_dtype: str | jnp.dtype | None = None
+) -> Transformer:
+    """Load a Hugging Face Qwen3-MoE folder as a :class:`Transformer` whose parameters are ``dtype``
+    and whose forward pass computes in ``compute_dtype`` (default: ``dtype``).
 
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
     needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
+    Tensors are read one at a time and each parameter's host buffer is freed once it is on the device.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
-    dtype_name = jnp.dtype(dtype).name
-    config = read_config(folder).replace(param_dtype=dtype_name, dtype=dtype_name)
+    param_dtype = jnp.dtype(dtype).name
+    config = read_config(folder).replace(param_dtype=param_dtype, dtype=jnp.dtype(compute_dtype or dtype).name)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
     names = checkpoint_names(config)
@@ -136,17 +140,21 @@ def load(folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32) -> Transfo
     if problems:
         raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
 
-    buffers = {path: np.empty(leaf.shape, leaf.dtype) for path, leaf in leaves.items()}
-    filled = {path: 0 for path in leaves}
+    by_leaf: dict[tuple, list[TensorName]] = {}
     for name in names:
-        piece = leaves[name.path].shape[len(name.index):]
-        tensor = files[name.key].read(name.key)
-        buffers[name.path][name.index] = _to_model_layout(name, tensor, piece).astype(buffers[name.path].dtype)
-        filled[name.path] += math.prod(piece)
-    unfilled = [path for path, count in filled.items() if count != math.prod(leaves[path].shape)]
-    assert not unfilled, f"checkpoint name map leaves parameters unset: {unfilled}"
-
-    return jax.tree_util.tree_map_with_path(lambda p, _: jnp.asarray(buffers[_leaf_path(p)]), abstract)
+        by_leaf.setdefault(name.path, []).append(name)
+    arrays = {}
+    for path, leaf in leaves.items():
+        buffer = np.empty(leaf.shape, leaf.dtype)
+        filled = 0
+        for name in by_leaf.get(path, []):
+            piece = leaf.shape[len(name.index) :]
+            buffer[name.index] = _to_model_layout(name, files[name.key].read(name.key), piece)
+            filled += math.prod(piece)
+        assert filled == buffer.size, f"checkpoint name map leaves part of {path} unset"
+        arrays[path] = jnp.asarray(buffer)
+        del buffer
+    return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
 
 
 def save(model: Transformer, folder: str | Path, *, overwrite: bool = False) -> Path:
@@ -174,4 +182,3 @@ def save(model: Transformer, folder: str | Path, *, overwrite: bool = False) -> 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
-

@@ -4,13 +4,35 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from eqmoe.config import AttentionConfig, ModelConfig, MoEConfig, NormConfig, RouterConfig, segments_from_kinds
+from eqmoe.config import (
+    AttentionConfig,
+    LossConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    RouterConfig,
+    segments_from_kinds,
+)
 
 
 def _qwen3_moe(
-    *, vocab: int, embed: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
-    expert_dim: int, mlp_dim: int, theta: float, kinds: list[str] | None = None, tie: bool = False,
-    renormalize: bool = True, eps: float = 1e-6, aux_coef: float = 0.001,
+    *,
+    vocab: int,
+    embed: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    experts: int,
+    top_k: int,
+    expert_dim: int,
+    mlp_dim: int,
+    theta: float,
+    kinds: list[str] | None = None,
+    tie: bool = False,
+    renormalize: bool = True,
+    eps: float = 1e-6,
+    aux_coef: float = 0.001,
 ) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab,
@@ -19,19 +41,38 @@ def _qwen3_moe(
         layers=segments_from_kinds(kinds or ["moe"] * layers),
         mlp_dim=mlp_dim,
         moe=MoEConfig(
-            router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize,
-                                load_balance_weight=aux_coef),
-            expert_dim=expert_dim,
+            router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize), expert_dim=expert_dim
         ),
         norm=NormConfig(eps=eps, ffn_placement="pre"),
+        loss=LossConfig(load_balance="hf_pooled", load_balance_weight=aux_coef),
         tie_embeddings=tie,
     )
 
 
-_30B = dict(vocab=151936, embed=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
-            expert_dim=768, mlp_dim=6144)
-_235B = dict(vocab=151936, embed=4096, layers=94, heads=64, kv_heads=4, head_dim=128, experts=128, top_k=8,
-             expert_dim=1536, mlp_dim=12288)
+_30B = dict(
+    vocab=151936,
+    embed=2048,
+    layers=48,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    top_k=8,
+    expert_dim=768,
+    mlp_dim=6144,
+)
+_235B = dict(
+    vocab=151936,
+    embed=4096,
+    layers=94,
+    heads=64,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    top_k=8,
+    expert_dim=1536,
+    mlp_dim=12288,
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": _qwen3_moe(**_30B, theta=1e6),
@@ -39,8 +80,19 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-235b-a22b": _qwen3_moe(**_235B, theta=1e6),
     "qwen3-235b-a22b-2507": _qwen3_moe(**_235B, theta=5e6),
     # A CPU-sized model with the same structure: byte-level vocabulary plus room for special tokens.
-    "qwen3-moe-tiny": _qwen3_moe(vocab=512, embed=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8,
-                                 top_k=2, expert_dim=128, mlp_dim=256, theta=1e4),
+    "qwen3-moe-tiny": _qwen3_moe(
+        vocab=512,
+        embed=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        experts=8,
+        top_k=2,
+        expert_dim=128,
+        mlp_dim=256,
+        theta=1e4,
+    ),
 }
 
 
@@ -90,14 +142,23 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         raise ValueError(f"{source}: attention_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; allowed: 'silu'")
-    req = {name: _require(hf, name, source) for name in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
-        "num_experts_per_tok")}
+    req = {
+        name: _require(hf, name, source)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "moe_intermediate_size",
+            "num_experts_per_tok",
+        )
+    }
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if experts is None:
         raise ValueError(f"{source}: missing field 'num_experts' (or 'num_local_experts')")
-    optional = {name: hf[name] for name in ("num_key_value_heads", "head_dim", "intermediate_size")
-                if hf.get(name) is not None}
+    optional = {
+        name: hf[name] for name in ("num_key_value_heads", "head_dim", "intermediate_size") if hf.get(name) is not None
+    }
     integers = {**req, **optional, "num_experts": experts, "decoder_sparse_step": hf.get("decoder_sparse_step", 1)}
     for name, value in integers.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -111,13 +172,22 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
     theta = _rope_theta(hf, source)
     try:
         return _qwen3_moe(
-            vocab=req["vocab_size"], embed=req["hidden_size"], layers=req["num_hidden_layers"],
-            heads=req["num_attention_heads"], kv_heads=optional.get("num_key_value_heads", req["num_attention_heads"]),
+            vocab=req["vocab_size"],
+            embed=req["hidden_size"],
+            layers=req["num_hidden_layers"],
+            heads=req["num_attention_heads"],
+            kv_heads=optional.get("num_key_value_heads", req["num_attention_heads"]),
             head_dim=optional.get("head_dim", req["hidden_size"] // req["num_attention_heads"]),
-            experts=experts, top_k=req["num_experts_per_tok"], expert_dim=req["moe_intermediate_size"],
-            mlp_dim=optional.get("intermediate_size"), theta=theta, kinds=kinds,
-            tie=bool(hf.get("tie_word_embeddings", False)), renormalize=bool(hf.get("norm_topk_prob", False)),
-            eps=float(hf.get("rms_norm_eps", 1e-6)), aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            experts=experts,
+            top_k=req["num_experts_per_tok"],
+            expert_dim=req["moe_intermediate_size"],
+            mlp_dim=optional.get("intermediate_size"),
+            theta=theta,
+            kinds=kinds,
+            tie=bool(hf.get("tie_word_embeddings", False)),
+            renormalize=bool(hf.get("norm_topk_prob", False)),
+            eps=float(hf.get("rms_norm_eps", 1e-6)),
+            aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
         )
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: {error}") from None
@@ -153,8 +223,10 @@ def _layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]
 
 def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     """Every tensor of a Hugging Face Qwen3-MoE checkpoint for ``config``, in the Hub's key names."""
-    names = [TensorName("model.embed_tokens.weight", ("embed",), ()),
-             TensorName("model.norm.weight", ("final_norm", "weight"), ())]
+    names = [
+        TensorName("model.embed_tokens.weight", ("embed",), ()),
+        TensorName("model.norm.weight", ("final_norm", "weight"), ()),
+    ]
     if not config.tie_embeddings:
         names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
     num_experts = config.moe.router.num_experts if config.moe else 0
@@ -181,9 +253,11 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
         names.append(TensorName(prefix + "mlp.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
         for j in range(num_experts):
             for proj, leaf in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
-                names.append(TensorName(
-                    prefix + f"mlp.experts.{j}.{proj}_proj.weight", (*block, "ffn", "experts", leaf), (r, j), 1
-                ))
+                names.append(
+                    TensorName(
+                        prefix + f"mlp.experts.{j}.{proj}_proj.weight", (*block, "ffn", "experts", leaf), (r, j), 1
+                    )
+                )
     return names
 
 
@@ -195,7 +269,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         ("norm.ffn_placement", config.norm.ffn_placement, "pre"),
         ("attention.qk_norm", config.attention.qk_norm, "before_rope"),
         ("attention.rope_layout", config.attention.rope_layout, "half_split"),
-        ("moe.router.score", moe.router.score if moe else "softmax", "softmax"),
+        ("moe.router.strategy", moe.router.strategy if moe else "softmax_top_k", "softmax_top_k"),
+        ("moe.router.capacity_factor", moe.router.capacity_factor if moe else None, None),
+        ("norm.stats_dtype", config.norm.stats_dtype, "float32"),
+        ("tied_logit_scale", config.tied_logit_scale, "none"),
     ]
     for name, value, allowed in unsupported:
         if value != allowed:
@@ -223,7 +300,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": config.norm.eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": attention.rope_theta},
         "tie_word_embeddings": config.tie_embeddings,
-        "router_aux_loss_coef": moe.router.load_balance_weight,
+        "router_aux_loss_coef": config.loss.load_balance_weight,
         "hidden_act": "silu",
         "attention_bias": False,
         "use_sliding_window": False,

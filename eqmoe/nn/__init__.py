@@ -11,6 +11,19 @@ from eqmoe.nn.router import Router, RouterStats, Routing, router_stats, softmax_
 from eqmoe.nn.stack import RepeatedUnit
 
 __all__ = [
-    "Attention", "Block", "Experts", "MoE", "RMSNorm", "RepeatedUnit", "Router", "RouterStats", "Routing",
-    "SwiGLU", "apply_rope", "attention_mask", "rope_tables", "router_stats", "softmax_top_k",
+    "Attention",
+    "Block",
+    "Experts",
+    "MoE",
+    "RMSNorm",
+    "RepeatedUnit",
+    "Router",
+    "RouterStats",
+    "Routing",
+    "SwiGLU",
+    "apply_rope",
+    "attention_mask",
+    "rope_tables",
+    "router_stats",
+    "softmax_top_k",
 ]

@@ -3,11 +3,10 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import AttentionConfig
-from eqmoe.nn._init import normal
+from eqmoe.nn._init import Init
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope
 
@@ -26,11 +25,18 @@ def attention_mask(
     return causal[None] & same_document & token_mask[:, None, :]
 
 
+def _scale(x: Float[Array, "*shape"], factor: float) -> Float[Array, "*shape"]:
+    """``x * factor`` rounded once; a Python float times a bfloat16 array would first round the factor."""
+    return (x.astype(jnp.float32) * factor).astype(x.dtype)
+
+
 class Attention(eqx.Module):
     """Multi-head attention whose ``num_kv_heads`` key/value heads are shared by groups of query heads.
 
     HF Qwen3MoeAttention: q/k/v projections without bias, RMSNorm over ``head_dim`` on q and k (one
     scale shared by all heads) before RoPE, scores scaled by ``head_dim^-0.5``, softmax in float32.
+    AXLearn Envy (``qk_norm="after_rope"``): ``q = RMSNorm(RoPE(q)) * head_dim^-0.5``,
+    ``k = RMSNorm(RoPE(k))``, scores unscaled.
     """
 
     wq: Float[Array, "embed heads head_dim"]
@@ -42,18 +48,25 @@ class Attention(eqx.Module):
     config: AttentionConfig = eqx.field(static=True)
 
     def __init__(
-        self, embed_dim: int, config: AttentionConfig, *, eps: float, std: float, dtype: DTypeLike,
+        self,
+        embed_dim: int,
+        config: AttentionConfig,
+        *,
+        eps: float,
+        stats_dtype: str,
+        init: Init,
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.wq = normal(kq, (embed_dim, heads, head_dim), std, dtype)
-        self.wk = normal(kk, (embed_dim, kv_heads, head_dim), std, dtype)
-        self.wv = normal(kv, (embed_dim, kv_heads, head_dim), std, dtype)
-        self.wo = normal(ko, (heads, head_dim, embed_dim), std, dtype)
+        self.wq = init.weight(kq, (embed_dim, heads, head_dim), fan_in=embed_dim)
+        self.wk = init.weight(kk, (embed_dim, kv_heads, head_dim), fan_in=embed_dim)
+        self.wv = init.weight(kv, (embed_dim, kv_heads, head_dim), fan_in=embed_dim)
+        self.wo = init.weight(ko, (heads, head_dim, embed_dim), fan_in=heads * head_dim)
         with_norm = config.qk_norm != "none"
-        self.q_norm = RMSNorm(head_dim, eps=eps, dtype=dtype) if with_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=eps, dtype=dtype) if with_norm else None
+        norm = dict(eps=eps, dtype=init.dtype, stats_dtype=stats_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm) if with_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm) if with_norm else None
         self.config = config
 
     def __call__(
@@ -66,15 +79,20 @@ class Attention(eqx.Module):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq)
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk)
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv)
-        if self.q_norm is not None and self.k_norm is not None:
+        layout, placement = self.config.rope_layout, self.config.qk_norm
+        if placement == "before_rope":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
+        q, k = apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
         batch, seq, heads, head_dim = q.shape
+        if placement == "after_rope":
+            q, k = _scale(self.q_norm(q), head_dim**-0.5), self.k_norm(k)
+
         kv_heads = k.shape[2]
         # Query head h reads key/value head h // group, as HF's repeat_kv lays them out.
         q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-        scores = jnp.einsum("bqngk,btnk->bngqt", q, k) * head_dim**-0.5
+        scores = jnp.einsum("bqngk,btnk->bngqt", q, k)
+        if placement != "after_rope":
+            scores = _scale(scores, head_dim**-0.5)
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bngqt,btnk->bqngk", probs, v).reshape(batch, seq, heads, head_dim)

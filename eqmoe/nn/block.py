@@ -6,11 +6,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from eqmoe.config import BlockKind, ModelConfig
+from eqmoe.nn._init import Init
 from eqmoe.nn.attention import Attention
 from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.router import RouterStats
+
+
+def model_init(config: ModelConfig) -> Init:
+    """The weight initialisation ``config`` asks for."""
+    return Init(config.init, config.init_std, jnp.dtype(config.param_dtype))
 
 
 class Block(eqx.Module):
@@ -31,18 +37,20 @@ class Block(eqx.Module):
 
     def __init__(self, kind: BlockKind, config: ModelConfig, *, key: PRNGKeyArray):
         k_attn, k_ffn = jax.random.split(key)
-        dtype, eps, std, dim = jnp.dtype(config.param_dtype), config.norm.eps, config.init_std, config.embed_dim
-        placement = config.norm.ffn_placement
-        self.attn_norm = RMSNorm(dim, eps=eps, dtype=dtype)
-        self.attention = Attention(dim, config.attention, eps=eps, std=std, dtype=dtype, key=k_attn)
-        self.pre_norm = RMSNorm(dim, eps=eps, dtype=dtype) if placement in ("pre", "hybrid") else None
-        self.post_norm = RMSNorm(dim, eps=eps, dtype=dtype) if placement in ("post", "hybrid") else None
+        init, dim, placement = model_init(config), config.embed_dim, config.norm.ffn_placement
+        norm = dict(eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
+        self.attn_norm = RMSNorm(dim, **norm)
+        self.attention = Attention(
+            dim, config.attention, eps=config.norm.eps, stats_dtype=config.norm.stats_dtype, init=init, key=k_attn
+        )
+        self.pre_norm = RMSNorm(dim, **norm) if placement in ("pre", "hybrid") else None
+        self.post_norm = RMSNorm(dim, **norm) if placement in ("post", "hybrid") else None
         if kind == "moe":
             assert config.moe is not None
-            self.ffn = MoE(dim, config.moe, std=std, dtype=dtype, key=k_ffn)
+            self.ffn = MoE(dim, config.moe, init=init, key=k_ffn)
         else:
             assert config.mlp_dim is not None
-            self.ffn = SwiGLU(dim, config.mlp_dim, std=std, dtype=dtype, key=k_ffn)
+            self.ffn = SwiGLU(dim, config.mlp_dim, init=init, key=k_ffn)
         self.kind = kind
         self.placement = placement
 

@@ -2,10 +2,16 @@
 
 import equinox as eqx
 import jax
-from jax.typing import DTypeLike
+import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqmoe.nn._init import normal
+from eqmoe.nn._init import Init
+
+
+def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """SiLU evaluated in float32 and rounded once to the input dtype, as torch does for bfloat16
+    (``jax.nn.silu`` on bfloat16 rounds the sigmoid first, one ulp off in ~40% of values)."""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
 class SwiGLU(eqx.Module):
@@ -15,12 +21,12 @@ class SwiGLU(eqx.Module):
     w_up: Float[Array, "embed mlp"]
     w_down: Float[Array, "mlp embed"]
 
-    def __init__(self, embed_dim: int, mlp_dim: int, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
+    def __init__(self, embed_dim: int, mlp_dim: int, *, init: Init, key: PRNGKeyArray):
         k_gate, k_up, k_down = jax.random.split(key, 3)
-        self.w_gate = normal(k_gate, (embed_dim, mlp_dim), std, dtype)
-        self.w_up = normal(k_up, (embed_dim, mlp_dim), std, dtype)
-        self.w_down = normal(k_down, (mlp_dim, embed_dim), std, dtype)
+        self.w_gate = init.weight(k_gate, (embed_dim, mlp_dim), fan_in=embed_dim)
+        self.w_up = init.weight(k_up, (embed_dim, mlp_dim), fan_in=embed_dim)
+        self.w_down = init.weight(k_down, (mlp_dim, embed_dim), fan_in=mlp_dim)
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
-        hidden = jax.nn.silu(x @ self.w_gate) * (x @ self.w_up)
+        hidden = silu(x @ self.w_gate) * (x @ self.w_up)
         return hidden @ self.w_down

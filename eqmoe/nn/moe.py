@@ -3,11 +3,11 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from eqmoe.config import MoEConfig
 from eqmoe.nn import dispatch
+from eqmoe.nn._init import Init
 from eqmoe.nn.router import Router, RouterStats, router_stats
 
 
@@ -21,11 +21,11 @@ class MoE(eqx.Module):
     experts: dispatch.Experts
     config: MoEConfig = eqx.field(static=True)
 
-    def __init__(self, embed_dim: int, config: MoEConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
+    def __init__(self, embed_dim: int, config: MoEConfig, *, init: Init, key: PRNGKeyArray):
         k_router, k_experts = jax.random.split(key)
-        self.router = Router(embed_dim, config.router, std=std, dtype=dtype, key=k_router)
+        self.router = Router(embed_dim, config.router, init=init, key=k_router)
         self.experts = dispatch.Experts(
-            config.router.num_experts, embed_dim, config.expert_dim, std=std, dtype=dtype, key=k_experts
+            config.router.num_experts, embed_dim, config.expert_dim, init=init, key=k_experts
         )
         self.config = config
 
@@ -34,8 +34,8 @@ class MoE(eqx.Module):
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats]:
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
-        mask = jnp.ones(batch * seq, bool) if token_mask is None else token_mask.reshape(-1)
-        routing = self.router(flat)
-        compute = dispatch.resolve(self.config.dispatch)
-        y = compute(flat, routing.weights, routing.experts, self.experts, self.config.block_size)
-        return y.reshape(batch, seq, embed), router_stats(routing, mask)
+        if token_mask is None:
+            token_mask = jnp.ones((batch, seq), bool)
+        routing = self.router(flat, token_mask.reshape(-1))
+        y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
+        return y.reshape(batch, seq, embed), router_stats(routing, token_mask, self.config.router.num_groups)

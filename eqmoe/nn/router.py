@@ -1,87 +1,193 @@
-"""Routing strategies: which experts each token goes to, with what weights, and router statistics."""
+"""Routing strategies: which experts each token goes to, with what weights, and router statistics.
+
+Each strategy is a short function from router logits to ``(weights, experts)``; capacity (dropping)
+is applied on top of any of them. ``Router`` picks them by ``RouterConfig.strategy``.
+"""
 
 from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import RouterConfig
-from eqmoe.nn._init import normal
+from eqmoe.nn._init import Init
 
 
 class Routing(NamedTuple):
-    """A routing decision for a flat list of tokens."""
+    """A routing decision for a flat list of tokens (in groups of equal size, in order)."""
 
-    weights: Float[Array, "tokens k"]  # combine weights, in the activation dtype
-    experts: Int[Array, "tokens k"]  # expert index of each of the k slots
+    weights: Float[Array, "tokens k"]  # combine weights in the activation dtype; 0 where dropped
+    experts: Int[Array, "tokens k"]  # expert of each of the k assignments, best first
+    kept: Bool[Array, "tokens k"]  # false where capacity dropped the assignment (or the token is padding)
+    positions: Int[Array, "tokens k"]  # slot in the expert's buffer within the group (capacity routing)
     logits: Float[Array, "tokens experts"]  # router logits, float32
-    probs: Float[Array, "tokens experts"]  # router scores over all experts, float32
+    probs: Float[Array, "tokens experts"]  # softmax over all experts, float32
+
+
+# --- strategies: logits -> (weights, experts) ------------------------------------------------------
+
+
+def softmax_top_k(
+    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """HF Qwen3MoeTopKRouter: ``p = softmax(logits)`` in float32, the ``top_k`` largest, divided by
+    their sum when ``renormalize`` (``norm_topk_prob``). With ``top_k=1`` and no renormalisation this
+    is Switch routing: the weight is the raw probability, so the LM loss trains the router."""
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
+def top_k_softmax(
+    logits: Float[Array, "tokens experts"], top_k: int
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """MaxText: the ``top_k`` largest logits, softmax over those only. With ``top_k=1`` the weight is
+    exactly 1.0, so the router gets no gradient from the LM loss (only from auxiliary losses)."""
+    top_logits, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    return jax.nn.softmax(top_logits, axis=-1), experts
+
+
+def top2_gating(logits: Float[Array, "tokens experts"]) -> tuple[Float[Array, "tokens 2"], Int[Array, "tokens 2"]]:
+    """AXLearn Top2Gating: ``p = softmax(logits)``; expert 1 = argmax p, expert 2 = argmax of the rest;
+    ``g_i = p_i / (p_1 + p_2 + 1e-9)``."""
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2)
+    return weights / (weights.sum(axis=-1, keepdims=True) + 1e-9), experts
+
+
+# --- capacity ------------------------------------------------------------------------------------------
+
+
+def expert_capacity(group_size: int, num_experts: int, capacity_factor: float) -> int:
+    """AXLearn/GShard: ``C = max(1, int(S * capacity_factor / E))`` assignments per expert per group."""
+    return max(1, int(group_size * capacity_factor / num_experts))
+
+
+def capacity_positions(
+    experts: Int[Array, "groups size k"], valid: Bool[Array, "groups size"], num_experts: int, capacity: int
+) -> tuple[Int[Array, "groups size k"], Bool[Array, "groups size k"]]:
+    """Buffer slot of every assignment and whether it fits under ``capacity``.
+
+    All rank-1 assignments are placed before any rank-2 one; within a rank, earlier tokens first
+    (slot = exclusive running count within the group, offset by what earlier ranks kept). Padding
+    tokens take no slot.
+    """
+    filled = jnp.zeros((experts.shape[0], num_experts), jnp.int32)
+    positions, kept = [], []
+    for rank in range(experts.shape[-1]):
+        chosen = jax.nn.one_hot(experts[..., rank], num_experts, dtype=jnp.int32) * valid[..., None]
+        slots = jnp.cumsum(chosen, axis=1) - chosen + filled[:, None, :]
+        position = jnp.sum(slots * chosen, axis=-1)
+        keep = valid & (position < capacity)
+        filled = filled + jnp.sum(chosen * keep[..., None], axis=1)
+        positions.append(position)
+        kept.append(keep)
+    return jnp.stack(positions, axis=-1), jnp.stack(kept, axis=-1)
+
+
+class Router(eqx.Module):
+    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity."""
+
+    weight: Float[Array, "embed experts"]
+    config: RouterConfig = eqx.field(static=True)
+
+    def __init__(self, embed_dim: int, config: RouterConfig, *, init: Init, key: PRNGKeyArray):
+        self.weight = init.weight(key, (embed_dim, config.num_experts), fan_in=embed_dim)
+        self.config = config
+
+    def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
+        config = self.config
+        logits = (x @ self.weight).astype(jnp.float32)
+        if config.strategy == "softmax_top_k":
+            weights, experts = softmax_top_k(logits, config.top_k, config.renormalize)
+        elif config.strategy == "top_k_softmax":
+            weights, experts = top_k_softmax(logits, config.top_k)
+        else:
+            weights, experts = top2_gating(logits)
+        if config.capacity_factor is None:
+            kept = jnp.broadcast_to(token_mask[:, None], experts.shape)
+            positions = jnp.zeros_like(experts)
+        else:
+            groups = _groups(x.shape[0], config.num_groups)
+            capacity = expert_capacity(x.shape[0] // groups, config.num_experts, config.capacity_factor)
+            positions, kept = capacity_positions(
+                experts.reshape(groups, -1, config.top_k),
+                token_mask.reshape(groups, -1),
+                config.num_experts,
+                capacity,
+            )
+            positions, kept = positions.reshape(experts.shape), kept.reshape(experts.shape)
+            weights = jnp.where(kept, weights, 0.0)
+        probs = jax.nn.softmax(logits, axis=-1)
+        return Routing(weights.astype(x.dtype), experts, kept, positions, logits, probs)
+
+
+def _groups(tokens: int, num_groups: int) -> int:
+    if tokens % num_groups:
+        raise ValueError(f"RouterConfig.num_groups={num_groups} does not divide the {tokens} tokens of the batch")
+    return num_groups
+
+
+# --- statistics ----------------------------------------------------------------------------------------
 
 
 class RouterStats(NamedTuple):
     """Per-MoE-layer routing statistics over the real (unmasked) tokens.
 
-    The sums are kept (not only the means) so that losses pooled over layers, such as HF's
-    load-balancing loss, can be formed exactly from them.
+    Sums are kept (not only means) so that losses pooled over layers, such as HF's load-balancing
+    loss, can be formed exactly. Every load-balancing form is computed; the config picks the trained one.
     """
 
-    expert_counts: Float[Array, "*layers experts"]  # top-k slots choosing each expert
+    expert_counts: Float[Array, "*layers experts"]  # top-k assignments choosing each expert, before drops
     prob_sum: Float[Array, "*layers experts"]  # sum of router probabilities per expert
     num_tokens: Float[Array, "*layers"]
-    load_balance: Float[Array, "*layers"]  # this layer's E * sum_e f_e * P_e
+    dropped: Float[Array, "*layers"]  # assignments dropped by capacity
+    load_balance: Float[Array, "*layers"]  # HF form for this layer: E * sum_e f_e * P_e
+    top1_balance: Float[Array, "*layers"]  # AXLearn: E^2 * mean_{groups, e}(top-1 fraction * P)
+    sequence_balance: Float[Array, "*layers"]  # MaxText: E^2 * mean_{batch, e}(density * P)
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
 
     @property
-    def mean_probs(self) -> Float[Array, "*layers experts"]:
-        return self.prob_sum / jnp.maximum(self.num_tokens, 1.0)[..., None]
-
-    @property
     def load(self) -> Float[Array, "*layers experts"]:
-        """Fraction of the routed slots each expert received (sums to 1 per layer)."""
+        """Fraction of the routed assignments each expert received (sums to 1 per layer)."""
         return self.expert_counts / jnp.maximum(self.expert_counts.sum(-1, keepdims=True), 1.0)
 
-
-def softmax_top_k(
-    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool
-) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"], Float[Array, "tokens experts"]]:
-    """HF Qwen3MoeTopKRouter: ``p = softmax(logits)`` over all experts in float32, the ``top_k``
-    largest, optionally divided by their sum (``norm_topk_prob``)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, experts, probs
+    @property
+    def dropped_fraction(self) -> Float[Array, "*layers"]:
+        return self.dropped / jnp.maximum(self.expert_counts.sum(-1), 1.0)
 
 
-class Router(eqx.Module):
-    """A linear gate ``logits = x @ W`` followed by a routing strategy from the config."""
-
-    weight: Float[Array, "embed experts"]
-    config: RouterConfig = eqx.field(static=True)
-
-    def __init__(self, embed_dim: int, config: RouterConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray):
-        self.weight = normal(key, (embed_dim, config.num_experts), std, dtype)
-        self.config = config
-
-    def __call__(self, x: Float[Array, "tokens embed"]) -> Routing:
-        logits = x @ self.weight
-        weights, experts, probs = softmax_top_k(logits, self.config.top_k, self.config.renormalize)
-        return Routing(weights.astype(x.dtype), experts, logits.astype(jnp.float32), probs)
+def _masked_mean(values: Float[Array, "rows items experts"], valid: Float[Array, "rows items"]):
+    return jnp.sum(values * valid[..., None], axis=1) / jnp.maximum(valid.sum(axis=1), 1.0)[:, None]
 
 
-def router_stats(routing: Routing, token_mask: Bool[Array, " tokens"]) -> RouterStats:
+def router_stats(routing: Routing, token_mask: Bool[Array, "batch seq"], num_groups: int) -> RouterStats:
     """Statistics of one layer's routing over the tokens where ``token_mask`` is true."""
+    batch, seq = token_mask.shape
     num_experts = routing.probs.shape[-1]
-    valid = token_mask.astype(jnp.float32)
-    chosen = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32).sum(axis=1)
-    expert_counts = (chosen * valid[:, None]).sum(axis=0)
-    prob_sum = (routing.probs * valid[:, None]).sum(axis=0)
+    valid = token_mask.reshape(-1).astype(jnp.float32)
+    chosen = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [tokens, k, experts]
+    expert_counts = jnp.einsum("tke,t->e", chosen, valid)
+    prob_sum = jnp.einsum("te,t->e", routing.probs, valid)
     num_tokens = valid.sum()
-    denominator = jnp.maximum(num_tokens, 1.0)
-    load_balance = num_experts * jnp.sum((expert_counts / denominator) * (prob_sum / denominator))
-    lse = jax.nn.logsumexp(routing.logits, axis=-1)
-    z_loss = jnp.sum(jnp.square(lse) * valid) / denominator
-    return RouterStats(expert_counts, prob_sum, num_tokens, load_balance, z_loss)
+    rows = jnp.maximum(num_tokens, 1.0)
+    load_balance = num_experts * jnp.sum((expert_counts / rows) * (prob_sum / rows))
+
+    groups = _groups(batch * seq, num_groups)
+    group_valid = valid.reshape(groups, -1)
+    top1 = _masked_mean(chosen[:, 0].reshape(groups, -1, num_experts), group_valid)
+    group_probs = _masked_mean(routing.probs.reshape(groups, -1, num_experts), group_valid)
+    top1_balance = num_experts**2 * jnp.mean(top1 * group_probs)
+
+    seq_valid = valid.reshape(batch, seq)
+    density = _masked_mean(chosen.sum(axis=1).reshape(batch, seq, num_experts), seq_valid)
+    seq_probs = _masked_mean(routing.probs.reshape(batch, seq, num_experts), seq_valid)
+    sequence_balance = num_experts**2 * jnp.mean(density * seq_probs)
+
+    dropped = jnp.sum((~routing.kept) * valid[:, None])
+    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows
+    return RouterStats(
+        expert_counts, prob_sum, num_tokens, dropped, load_balance, top1_balance, sequence_balance, z_loss
+    )
