@@ -5,6 +5,8 @@
 
 Prints one row per parameter array (stacked layers appear once, with their leading ``repeats`` axis)
 and the total and active counts; active counts only ``top_k / num_experts`` of the routed experts.
+For the Envy presets each row also names the same parameter in AXLearn and in MaxText, with its shape
+there (the parameter-equivalence report).
 """
 
 import json
@@ -15,6 +17,7 @@ import tyro
 
 from eqmoe import presets
 from eqmoe.analysis import ParamRow, count_parameters, parameter_table
+from eqmoe.models import envy
 
 
 @dataclass(frozen=True)
@@ -26,17 +29,42 @@ class Args:
     """Print one JSON object (preset, total, active, parameters) instead of the table."""
 
 
-def format_table(rows: list[ParamRow], total: int, active: int) -> str:
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def _reference_columns(preset: str, row: ParamRow) -> dict[str, str]:
+    """AXLearn and MaxText names of an Envy parameter (the parameter-equivalence report)."""
+    if not preset.startswith("envy-"):
+        return {}
+    name = envy.reference_name(row.path, row.shape)
+    return {
+        "axlearn": name.axlearn,
+        "axlearn shape": _shape(name.axlearn_shape),
+        "maxtext": name.maxtext,
+        "maxtext shape": _shape(name.maxtext_shape),
+    }
+
+
+def format_table(preset: str, rows: list[ParamRow], total: int, active: int) -> str:
     """The per-parameter table, then the total and active counts with thousands separators."""
-    header = ("path", "shape", "count", "routed")
-    cells = [
-        (row.path, "x".join(map(str, row.shape)) or "scalar", f"{row.count:,}", "yes" if row.routed else "")
+    records = [
+        {
+            "path": row.path,
+            "shape": _shape(row.shape),
+            **_reference_columns(preset, row),
+            "count": f"{row.count:,}",
+            "routed": "yes" if row.routed else "",
+        }
         for row in rows
     ]
-    widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+    header = list(records[0])
+    widths = {key: max(len(key), *(len(record[key]) for record in records)) for key in header}
     lines = [
-        f"{path:<{widths[0]}}  {shape:<{widths[1]}}  {count:>{widths[2]}}  {routed}".rstrip()
-        for path, shape, count, routed in [header, *cells]
+        "  ".join(
+            f"{record[key]:>{widths[key]}}" if key == "count" else f"{record[key]:<{widths[key]}}" for key in header
+        ).rstrip()
+        for record in [dict(zip(header, header, strict=True)), *records]
     ]
     width = len(f"{total:,}")
     lines += ["", f"total  {total:>{width},}", f"active {active:>{width},}"]
@@ -52,11 +80,11 @@ def main(args: Args) -> int:
     rows = parameter_table(config)
     total, active = count_parameters(config, rows)
     if args.json:
-        parameters = [{**asdict(row), "shape": list(row.shape)} for row in rows]
+        parameters = [{**asdict(row), "shape": list(row.shape), **_reference_columns(args.preset, row)} for row in rows]
         print(json.dumps({"preset": args.preset, "total": total, "active": active, "parameters": parameters}))
     else:
         print(f"preset {args.preset}\n")
-        print(format_table(rows, total, active))
+        print(format_table(args.preset, rows, total, active))
     return 0
 
 

@@ -1,0 +1,155 @@
+"""AdamW with warmup + cosine decay, global-norm clipping, weight-decay masks and mup-simple scaling.
+
+One :class:`OptimizerConfig` covers both conventions in use:
+
+- optax/PyTorch AdamW: ``p -= lr_t * (adam(g) + wd * p)`` (decay scaled by the learning rate);
+- AXLearn (``decay_scaled_by_schedule=True``): ``p -= lr_t * adam(g) + wd * (lr_t / lr_peak) * p``
+  (decoupled weight decay scaled by the schedule only).
+
+``mup_base_dim`` enables AXLearn's "mup-simple": Adam updates of attention, dense-FFN and expert weights
+are multiplied by ``min(mup_base_dim / embed_dim, 1)``; the router gate, embedding and norms are not.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from eqmoe.config import _check, _positive
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule.
+
+    The schedule warms up linearly from 0 over ``warmup_steps`` and then follows a cosine to
+    ``learning_rate * final_lr_ratio`` at ``decay_steps`` (``None``: the run's total steps).
+    """
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    final_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_scaled_by_schedule: bool = False
+    decay_norms: bool = False
+    clip_norm: float | None = 1.0
+    mup_base_dim: int | None = None
+
+    def __post_init__(self):
+        _positive("OptimizerConfig", learning_rate=self.learning_rate, eps=self.eps)
+        _check(self.warmup_steps >= 0, "OptimizerConfig", "warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check(0 <= self.final_lr_ratio <= 1, "OptimizerConfig", "final_lr_ratio", self.final_lr_ratio, "0..1")
+        for name in ("b1", "b2"):
+            _check(0 <= getattr(self, name) < 1, "OptimizerConfig", name, getattr(self, name), "0 <= value < 1")
+        _check(self.weight_decay >= 0, "OptimizerConfig", "weight_decay", self.weight_decay, "a number >= 0")
+        if self.clip_norm is not None:
+            _positive("OptimizerConfig", clip_norm=self.clip_norm)
+        if self.decay_steps is not None:
+            _positive("OptimizerConfig", decay_steps=self.decay_steps)
+        if self.mup_base_dim is not None:
+            _positive("OptimizerConfig", mup_base_dim=self.mup_base_dim)
+
+
+def envy_optimizer(embed_dim: int) -> OptimizerConfig:
+    """AXLearn's Envy optimizer (non-test sizes): clip 1.0; AdamW b1 0.9, b2 0.95, eps 1e-8, lr 0.01;
+    decoupled weight decay 1e-4 scaled by the schedule only; 5000 warmup steps, cosine to lr/200 at
+    250k steps; mup-simple with base dimension 768 (``embed_dim`` only documents the resulting factor)."""
+    del embed_dim
+    return OptimizerConfig(
+        learning_rate=0.01,
+        warmup_steps=5000,
+        decay_steps=250_000,
+        final_lr_ratio=1 / 200,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=1e-4,
+        decay_scaled_by_schedule=True,
+        clip_norm=1.0,
+        mup_base_dim=768,
+    )
+
+
+def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    decay_steps = config.decay_steps or total_steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        decay_steps=max(decay_steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.final_lr_ratio,
+    )
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(key, "name", getattr(key, "key", ""))) for key in path]
+
+
+def is_norm_scale(path) -> bool:
+    """RMSNorm scales (``attn_norm``, ``pre_norm``, ``post_norm``, ``q_norm``, ``k_norm``, ``final_norm``)."""
+    return any(name.endswith("norm") for name in _names(path))
+
+
+def is_mup_scaled(path) -> bool:
+    """Attention projections, dense-FFN and expert weights (not the router gate, embedding or norms)."""
+    names = _names(path)
+    if is_norm_scale(path) or "router" in names:
+        return False
+    return names[-1] in ("wq", "wk", "wv", "wo") or (names[-1].startswith("w_") and "ffn" in names)
+
+
+def _mask(params, predicate: Callable[[Any], bool]):
+    return jax.tree_util.tree_map_with_path(lambda path, _: predicate(path), params)
+
+
+class _CountState(NamedTuple):
+    count: jax.Array
+
+
+def _decay_scaled_by_schedule(rate: float, schedule: optax.Schedule, peak: float) -> optax.GradientTransformation:
+    """Adds ``-rate * schedule(step) / peak * p`` to the (already learning-rate-scaled) update."""
+
+    def init(params):
+        del params
+        return _CountState(jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params):
+        factor = -rate * schedule(state.count) / peak
+        updates = jax.tree.map(lambda u, p: u + (factor * p).astype(u.dtype), updates, params)
+        return updates, _CountState(state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(
+    config: OptimizerConfig, params, *, total_steps: int, embed_dim: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
+    schedule = learning_rate_schedule(config, total_steps)
+    decay_mask = _mask(params, lambda path: config.decay_norms or not is_norm_scale(path))
+    steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
+    steps.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
+    if config.mup_base_dim is not None:
+        factor = min(config.mup_base_dim / embed_dim, 1.0)
+        steps.append(optax.masked(optax.scale(factor), _mask(params, is_mup_scaled)))
+    if config.decay_scaled_by_schedule:
+        steps.append(optax.scale_by_learning_rate(schedule))
+        decay = _decay_scaled_by_schedule(config.weight_decay, schedule, config.learning_rate)
+        steps.append(optax.masked(decay, decay_mask))
+    else:
+        steps.append(optax.add_decayed_weights(config.weight_decay, decay_mask))
+        steps.append(optax.scale_by_learning_rate(schedule))
+    return optax.chain(*steps), schedule
+
+
+def model_params(model: eqx.Module):
+    """The array leaves an optimizer updates."""
+    return eqx.filter(model, eqx.is_array)
