@@ -3,14 +3,14 @@
 Every stack is ``repeats x (dense block, MoE block)`` with QK-norm and tied embeddings. The two readings
 share shapes and parameter counts and differ in exactly these config fields:
 
-| field                                | AXLearn (``envy-*``)         | MaxText (``envy-*-maxtext``)        |
-|--------------------------------------|------------------------------|-------------------------------------|
-| ``moe.router.strategy`` / ``top_k``  | ``top2_gating`` / 2          | ``top_k_softmax`` / 1               |
-| ``moe.router.capacity_factor``       | 2.0 in 2 groups              | ``None`` (dropless)                 |
-| ``attention.qk_norm``                | ``after_rope``               | ``before_rope``                     |
-| ``attention.rope_layout``            | ``interleaved``              | ``half_split``                      |
-| ``tied_logit_scale``                 | ``none``                     | ``rsqrt_embed`` (1/sqrt(d))         |
-| ``loss``                             | CE + 1e-6 output z-loss; MoE aux logged only | CE + 0.01 per-sequence load balance |
+| field                               | AXLearn (``envy-*``)            | MaxText (``envy-*-maxtext``)     |
+|-------------------------------------|---------------------------------|----------------------------------|
+| ``moe.router.strategy`` / ``top_k`` | ``top2_gating`` / 2             | ``top_k_softmax`` / 1            |
+| ``moe.router.capacity_factor``      | 2.0 in 2 groups                 | ``None`` (dropless)              |
+| ``attention.qk_norm``               | ``after_rope``                  | ``before_rope``                  |
+| ``attention.rope_layout``           | ``interleaved``                 | ``half_split``                   |
+| ``tied_logit_scale``                | ``none``                        | ``rsqrt_embed`` (1/sqrt(d))      |
+| ``loss``                            | CE + 1e-6 output z; aux logged  | CE + 0.01 per-sequence balance   |
 """
 
 import dataclasses
