@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import ModelConfig
-from eqmoe.nn.attention import attention_mask
+from eqmoe.nn.attention import LayerCache, attention_mask
 from eqmoe.nn.block import model_init
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import rope_tables
@@ -16,9 +16,29 @@ from eqmoe.nn.router import RouterStats
 from eqmoe.nn.stack import RepeatedUnit
 
 
+class KVCache(eqx.Module):
+    """Keys and values of every attention block for autoregressive decoding (see ``eqmoe.inference``).
+
+    ``layers[s][j]`` belongs to block ``j`` of segment ``s``'s repeat unit; its leaves are
+    ``[repeats, batch, max_len, kv_heads, head_dim]``, stacked like the parameters, so each segment's
+    scan runs over its parameters and its cache together. Slots are written in order: ``index`` is
+    the next free slot (the same for every row) and ``valid[b, t]`` marks slots holding a real token
+    (false for slots not yet written and for padding). Build one with ``eqmoe.inference.init_cache``.
+    """
+
+    layers: tuple[tuple[LayerCache, ...], ...]
+    valid: Bool[Array, "batch max_len"]
+    index: Int[Array, ""]
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+
 class ModelOutput(NamedTuple):
     logits: Float[Array, "batch seq vocab"]
     aux: RouterStats | None  # per MoE layer, in layer order: leading axis = number of MoE layers
+    cache: KVCache | None = None  # the updated cache when the model was called with one
 
 
 class Transformer(eqx.Module):
@@ -31,6 +51,13 @@ class Transformer(eqx.Module):
     - ``positions``: RoPE positions (default ``0..seq-1`` in every row).
     - ``token_mask``: false at padding; those keys are masked out and those tokens excluded from the
       router statistics (HF's ``attention_mask``).
+    - ``cache``: a :class:`KVCache` for autoregressive decoding. The tokens are written into slots
+      ``cache.index ..`` and attend to every earlier filled slot (a query in slot ``p`` sees the valid
+      slots ``<= p``); the output carries the updated cache. ``positions`` then defaults to each
+      row's count of real tokens so far (``cache.index + 0..seq-1`` without padding, and HF's
+      positions for left-padded prompts). ``segment_ids`` are not supported with a cache. The cache
+      must have room: ``cache.index + seq <= max_len`` (not checked inside ``jit``; a write past the end
+      lands on the last slots). MoE routing follows :meth:`eqmoe.nn.block.Block.decode`.
     """
 
     embed: Float[Array, "vocab embed"]
@@ -63,23 +90,44 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
         token_mask: Bool[Array, "batch seq"] | None = None,
+        cache: KVCache | None = None,
     ) -> ModelOutput:
         model = self.cast(self.config.dtype)
         batch, seq = tokens.shape
-        if segment_ids is None:
-            segment_ids = jnp.zeros((batch, seq), jnp.int32)
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         if token_mask is None:
             token_mask = jnp.ones((batch, seq), bool)
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids are not supported with a KV cache (decode one document per row)")
+            if cache.valid.shape[0] != batch:
+                raise ValueError(f"the cache holds {cache.valid.shape[0]} rows but tokens has {batch}")
+            if len(cache.layers) != len(self.segments):
+                raise ValueError(f"the cache has {len(cache.layers)} segments, the model {len(self.segments)}")
+            valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
+            if positions is None:
+                seen = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)[:, None]
+                positions = jnp.maximum(seen + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1, 0)
+            slots = cache.index + jnp.arange(seq, dtype=jnp.int32)
+            mask = (jnp.arange(cache.max_len, dtype=jnp.int32) <= slots[:, None])[None] & valid[:, None, :]
+        else:
+            if segment_ids is None:
+                segment_ids = jnp.zeros((batch, seq), jnp.int32)
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+            mask = attention_mask(segment_ids, token_mask)
 
         attn = self.config.attention
         cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout)
-        mask = attention_mask(segment_ids, token_mask)
         x = model.embed[tokens]
-        layer_stats = []
-        for segment in model.segments:
-            x, stats = segment(x, cos, sin, mask, token_mask)
+        layer_stats, layer_caches = [], []
+        for index, segment in enumerate(model.segments):
+            if cache is None:
+                x, stats = segment(x, cos, sin, mask, token_mask)
+            else:
+                x, stats, segment_cache = segment.decode(
+                    x, cos, sin, mask, token_mask, cache.layers[index], cache.index
+                )
+                layer_caches.append(segment_cache)
             if stats is not None:
                 layer_stats.append(stats)
         x = model.final_norm(x)
@@ -90,7 +138,9 @@ class Transformer(eqx.Module):
             if self.config.tied_logit_scale == "rsqrt_embed":
                 logits = logits * self.config.embed_dim**-0.5
         aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_stats) if layer_stats else None
-        return ModelOutput(logits, aux)
+        if cache is None:
+            return ModelOutput(logits, aux)
+        return ModelOutput(logits, aux, KVCache(tuple(layer_caches), valid, cache.index + seq))
 
     def cast(self, dtype: str) -> "Transformer":
         """This model with every floating parameter in ``dtype`` (the compute copy)."""

@@ -1,4 +1,6 @@
-"""Grouped-query self-attention with rotary positions, per-head QK-norm and document masks."""
+"""Grouped-query self-attention with rotary positions, per-head QK-norm, document masks and a KV cache."""
+
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,6 +25,18 @@ def attention_mask(
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     same_document = segment_ids[:, :, None] == segment_ids[:, None, :]
     return causal[None] & same_document & token_mask[:, None, :]
+
+
+class LayerCache(NamedTuple):
+    """Keys and values of one attention block for cached decoding, in the compute dtype.
+
+    Slot ``t`` of ``max_len`` holds the token written at step ``t`` (the cache's write index, not the
+    RoPE position). In a :class:`eqmoe.nn.stack.RepeatedUnit` every leaf carries a leading ``repeats``
+    axis, stacked like the parameters; a single block sees one repeat.
+    """
+
+    keys: Float[Array, "*repeats batch max_len kv_heads head_dim"]
+    values: Float[Array, "*repeats batch max_len kv_heads head_dim"]
 
 
 def _scale(x: Float[Array, "*shape"], factor: float) -> Float[Array, "*shape"]:
@@ -69,13 +83,17 @@ class Attention(eqx.Module):
         self.k_norm = RMSNorm(head_dim, **norm) if with_norm else None
         self.config = config
 
-    def __call__(
+    def _project(
         self,
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
-        mask: Bool[Array, "batch seq seq"],
-    ) -> Float[Array, "batch seq embed"]:
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """Queries, keys and values, normed and rotated (queries pre-scaled with ``after_rope``)."""
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq)
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk)
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv)
@@ -83,17 +101,54 @@ class Attention(eqx.Module):
         if placement == "before_rope":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
-        batch, seq, heads, head_dim = q.shape
         if placement == "after_rope":
-            q, k = _scale(self.q_norm(q), head_dim**-0.5), self.k_norm(k)
+            q, k = _scale(self.q_norm(q), q.shape[-1] ** -0.5), self.k_norm(k)
+        return q, k, v
 
+    def _attend(
+        self,
+        q: Float[Array, "batch seq heads head_dim"],
+        k: Float[Array, "batch keys kv_heads head_dim"],
+        v: Float[Array, "batch keys kv_heads head_dim"],
+        mask: Bool[Array, "batch seq keys"],
+    ) -> Float[Array, "batch seq embed"]:
+        batch, seq, heads, head_dim = q.shape
         kv_heads = k.shape[2]
         # Query head h reads key/value head h // group, as HF's repeat_kv lays them out.
         q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
         scores = jnp.einsum("bqngk,btnk->bngqt", q, k)
-        if placement != "after_rope":
+        if self.config.qk_norm != "after_rope":
             scores = _scale(scores, head_dim**-0.5)
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
         out = jnp.einsum("bngqt,btnk->bqngk", probs, v).reshape(batch, seq, heads, head_dim)
         return jnp.einsum("bshk,hkd->bsd", out, self.wo)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq seq"],
+    ) -> Float[Array, "batch seq embed"]:
+        q, k, v = self._project(x, cos, sin)
+        return self._attend(q, k, v, mask)
+
+    def decode(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq max_len"],
+        cache: LayerCache,
+        index: Int[Array, ""],
+    ) -> tuple[Float[Array, "batch seq embed"], LayerCache]:
+        """Attention of ``seq`` new tokens over the cache: their keys and values are written into slots
+        ``index .. index + seq - 1`` and the queries attend to all ``max_len`` slots under ``mask``
+        (``mask[b, q, t]``: query ``q`` may see slot ``t``). Returns the output and the updated cache."""
+        q, k, v = self._project(x, cos, sin)
+        start = (0, index, 0, 0)
+        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), start)
+        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), start)
+        out = self._attend(q, keys.astype(q.dtype), values.astype(v.dtype), mask)
+        return out, LayerCache(keys, values)

@@ -3,11 +3,11 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import BlockKind, ModelConfig
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import Attention
+from eqmoe.nn.attention import Attention, LayerCache
 from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.norm import RMSNorm
@@ -63,9 +63,35 @@ class Block(eqx.Module):
         token_mask: Bool[Array, "batch seq"],
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         x = x + self.attention(self.attn_norm(x), cos, sin, mask)
+        return self._ffn_residual(x, token_mask)
+
+    def decode(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq max_len"],
+        token_mask: Bool[Array, "batch seq"],
+        cache: LayerCache,
+        index: Int[Array, ""],
+    ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None, LayerCache]:
+        """The block on ``seq`` new tokens with a KV cache (see :meth:`Attention.decode`).
+
+        The MoE routes the step's ``batch * seq`` tokens as configured, capacity included. When they do
+        not split into ``RouterConfig.num_groups`` equal groups (one token per step, say) the step is
+        flattened into one row and padded with masked tokens up to the next multiple of ``num_groups``;
+        padding takes no expert capacity and is left out of the router statistics.
+        """
+        attended, cache = self.attention.decode(self.attn_norm(x), cos, sin, mask, cache, index)
+        x, stats = self._ffn_residual(x + attended, token_mask, pad_to_groups=True)
+        return x, stats, cache
+
+    def _ffn_residual(
+        self, x: Float[Array, "batch seq embed"], token_mask: Bool[Array, "batch seq"], pad_to_groups: bool = False
+    ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         h = self.pre_norm(x) if self.pre_norm is not None else x
         if isinstance(self.ffn, MoE):
-            h, stats = self.ffn(h, token_mask)
+            h, stats = _moe_padded(self.ffn, h, token_mask) if pad_to_groups else self.ffn(h, token_mask)
         else:
             h, stats = self.ffn(h), None
         if self.placement == "post":
@@ -74,3 +100,18 @@ class Block(eqx.Module):
         if self.post_norm is not None:
             h = self.post_norm(h)
         return x + h, stats
+
+
+def _moe_padded(
+    moe: MoE, h: Float[Array, "batch seq embed"], token_mask: Bool[Array, "batch seq"]
+) -> tuple[Float[Array, "batch seq embed"], RouterStats]:
+    """``moe(h, token_mask)``, padding the tokens with masked ones to a multiple of ``num_groups``."""
+    batch, seq, embed = h.shape
+    tokens = batch * seq
+    pad = -tokens % moe.config.router.num_groups
+    if pad == 0:
+        return moe(h, token_mask)
+    flat = jnp.concatenate([h.reshape(1, tokens, embed), jnp.zeros((1, pad, embed), h.dtype)], axis=1)
+    flat_mask = jnp.concatenate([token_mask.reshape(1, tokens), jnp.zeros((1, pad), bool)], axis=1)
+    out, stats = moe(flat, flat_mask)
+    return out[:, :tokens].reshape(batch, seq, embed), stats

@@ -1,11 +1,14 @@
 """Segments of repeated blocks, initialised with ``eqx.filter_vmap`` and run with ``lax.scan``."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import ModelConfig, Segment
+from eqmoe.nn.attention import LayerCache
 from eqmoe.nn.block import Block
 from eqmoe.nn.router import RouterStats
 
@@ -22,6 +25,10 @@ class RepeatedUnit(eqx.Module):
 
     Run as one ``lax.scan`` over that axis, so the program holds one copy of the unit whatever the
     depth. ``scan=False`` runs the same parameters in a Python loop (a check and a debugging aid).
+
+    With a KV cache (:meth:`decode`) the cache holds one :class:`LayerCache` per block of the unit, each
+    leaf ``[repeats, batch, max_len, kv_heads, head_dim]`` like the parameters; the scan runs over the
+    unit's parameters and its cache together and returns the updated cache as a scan output.
     """
 
     blocks: tuple[Block, ...]
@@ -47,24 +54,60 @@ class RepeatedUnit(eqx.Module):
         mask: Bool[Array, "batch seq seq"],
         token_mask: Bool[Array, "batch seq"],
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
+        def run_block(block, x, _):
+            x, stats = block(x, cos, sin, mask, token_mask)
+            return x, stats, None
+
+        x, stats, _ = self._run(run_block, x, None)
+        return x, _interleave(stats)
+
+    def decode(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        mask: Bool[Array, "batch seq max_len"],
+        token_mask: Bool[Array, "batch seq"],
+        cache: tuple[LayerCache, ...],
+        index: Int[Array, ""],
+    ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None, tuple[LayerCache, ...]]:
+        """The segment on ``seq`` new tokens with its KV cache (one entry per block of the unit)."""
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache)} entries for a unit of {len(self.blocks)} blocks")
+
+        def run_block(block, x, layer_cache):
+            return block.decode(x, cos, sin, mask, token_mask, layer_cache, index)
+
+        x, stats, cache = self._run(run_block, x, cache)
+        return x, _interleave(stats), cache
+
+    def _run(self, run_block: Callable, x: Float[Array, "batch seq embed"], cache: tuple[LayerCache, ...] | None):
+        """Every repeat of the unit in order: ``run_block(block, x, layer_cache) -> (x, stats, layer_cache)``.
+
+        The scan's inputs are the unit's parameters and (when given) its cache; its outputs are the
+        stats of the MoE blocks and the updated cache, both stacked over ``repeats``.
+        """
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def run_unit(x, unit_params):
-            stats = []
-            for block in eqx.combine(unit_params, static):
-                x, block_stats = block(x, cos, sin, mask, token_mask)
+        def run_unit(x, inputs):
+            unit_params, unit_cache = inputs
+            stats, new_cache = [], []
+            for position, block in enumerate(eqx.combine(unit_params, static)):
+                layer_cache = None if unit_cache is None else unit_cache[position]
+                x, block_stats, layer_cache = run_block(block, x, layer_cache)
                 if block_stats is not None:
                     stats.append(block_stats)
-            return x, tuple(stats)
+                new_cache.append(layer_cache)
+            return x, (tuple(stats), None if unit_cache is None else tuple(new_cache))
 
         if self.remat:
             run_unit = jax.checkpoint(run_unit)
         if self.scan:
-            x, stats = jax.lax.scan(run_unit, x, params)
+            x, (stats, cache) = jax.lax.scan(run_unit, x, (params, cache))
         else:
             outputs = []
             for index in range(self.repeats):
-                x, unit_stats = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], params))
-                outputs.append(unit_stats)
-            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs) if outputs[0] else ()
-        return x, _interleave(stats)
+                x, unit_outputs = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], (params, cache)))
+                outputs.append(unit_outputs)
+            stats, cache = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+        return x, stats, cache

@@ -1,0 +1,174 @@
+"""Orbax checkpoints of any pytree plus a JSON metadata dict, keeping the last N steps.
+
+Each step is an orbax directory ``<directory>/<step>/`` with three items:
+
+- ``arrays``: every array leaf of the tree (``StandardSave``); typed PRNG keys are stored as their key data;
+- ``layout``: the path, shape and dtype of each of those leaves, checked before any array is restored;
+- ``metadata``: the caller's JSON dict (model config, data position, ...).
+
+Only array leaves are saved. Everything else (Python scalars, functions, equinox static fields) is taken
+from the ``abstract_tree`` given to :meth:`Checkpointer.restore`, normally ``eqx.filter_eval_shape(init)``.
+Keep counters you need back as arrays (``jnp.int32(step)``) or put them in the metadata.
+
+Saves are synchronous and atomic: orbax writes ``<step>.orbax-checkpoint-tmp/`` and renames it to
+``<step>/`` only once everything is written, and only finished steps are listed, so an interrupted save
+is never restored (saving that step again replaces the leftover). Single-process use only.
+"""
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+LAYOUT_FORMAT = 1  # bump when the ``layout`` item changes meaning
+
+
+def _is_array(x: Any) -> bool:
+    """The leaves that are saved: concrete or abstract arrays (``eqx.is_array`` rejects ShapeDtypeStruct)."""
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _layout(arrays: Any) -> dict[str, list]:
+    """``{leaf path: [shape, dtype]}`` for every array leaf, in flattening order."""
+    return {
+        jax.tree_util.keystr(path): [list(leaf.shape), str(leaf.dtype)]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arrays)
+    }
+
+
+def _check_layout(saved: dict[str, list], expected: dict[str, list], where: Path) -> None:
+    """Raise a ValueError listing every leaf whose presence, shape or dtype differs."""
+    problems = []
+    for path, (shape, dtype) in expected.items():
+        if path not in saved:
+            problems.append(f"{path}: in abstract_tree but not in the checkpoint")
+        elif saved[path] != [shape, dtype]:
+            saved_shape, saved_dtype = saved[path]
+            problems.append(f"{path}: checkpoint has {saved_dtype}{saved_shape}, abstract_tree has {dtype}{shape}")
+    problems += [f"{path}: in the checkpoint but not in abstract_tree" for path in saved if path not in expected]
+    if problems:
+        raise ValueError(f"{where}: checkpoint does not match abstract_tree:\n  " + "\n  ".join(problems))
+
+
+def _restore_target(leaf: Any) -> jax.ShapeDtypeStruct:
+    """What orbax should read for ``leaf``: its key data for PRNG keys; the default device if unsharded."""
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if _is_key(leaf):
+        abstract = jax.eval_shape(jax.random.key_data, abstract)
+    return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+
+
+class Checkpointer:
+    """Save and restore ``(pytree, metadata)`` pairs by step under ``directory``, keeping the last ``keep_last``.
+
+    ``keep_last=None`` keeps every step. The directory is created by the first :meth:`save`.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"Checkpointer: keep_last must be at least 1 (or None to keep all), got {keep_last}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep_last),  # max_to_keep is deprecated
+            create=False,  # created on the first save, so restoring from a wrong path leaves no directory behind
+            enable_async_checkpointing=False,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def all_steps(self) -> list[int]:
+        """Finished steps on disk, oldest first (re-read each call, so steps saved elsewhere appear)."""
+        if not self.directory.is_dir():
+            return []
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finished step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, tree: Any, metadata: dict[str, Any]) -> None:
+        """Write ``tree``'s array leaves and ``metadata`` as ``step``; returns once the step is finished on disk.
+
+        ``step`` must be newer than every saved step; older steps beyond ``keep_last`` are then deleted.
+        """
+        latest = self.latest_step()
+        if step < 0 or (latest is not None and step <= latest):
+            raise ValueError(f"{self.directory}: cannot save step {step}; steps must increase (latest is {latest})")
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{self.directory}: metadata for step {step} is not JSON-serialisable ({error})") from None
+        arrays, _ = eqx.partition(tree, _is_array)
+        data = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, arrays)
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(data),
+                layout=ocp.args.JsonSave({"format": LAYOUT_FORMAT, "leaves": _layout(arrays)}),
+                metadata=ocp.args.JsonSave(metadata),
+            ),
+        )
+        self._manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"{self.directory}: orbax declined to save step {step}")
+
+    def restore(self, step: int | None, abstract_tree: Any) -> tuple[Any, dict[str, Any]]:
+        """``(tree, metadata)`` saved at ``step`` (None: the latest), shaped like ``abstract_tree``.
+
+        ``abstract_tree`` must have the saved tree's array leaves (same paths, shapes and dtypes), as
+        ``jax.ShapeDtypeStruct`` or arrays; its other leaves are returned as they are. Leaves without a
+        sharding are placed on the default device.
+        """
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{self.directory}: no finished checkpoint in this directory")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"{self.directory}: no finished checkpoint for step {step} (saved: {steps})")
+
+        abstract_arrays, static = eqx.partition(abstract_tree, _is_array)
+        layout = self._manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        if layout.get("format") != LAYOUT_FORMAT:
+            raise ValueError(f"{self.directory / str(step)}: unknown layout format {layout.get('format')!r}")
+        _check_layout(layout["leaves"], _layout(abstract_arrays), self.directory / str(step))
+
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardRestore(jax.tree.map(_restore_target, abstract_arrays)),
+                metadata=ocp.args.JsonRestore(),
+            ),
+        )
+        arrays = jax.tree.map(
+            lambda leaf, x: jax.random.wrap_key_data(x, impl=leaf.dtype) if _is_key(leaf) else x,
+            abstract_arrays,
+            restored["arrays"],
+        )
+        return eqx.combine(arrays, static), restored["metadata"]
+
+    def close(self) -> None:
+        """Wait for pending work (old-step deletion) and release orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
