@@ -295,3 +295,29 @@ def segments_from_kinds(kinds: tuple[BlockKind, ...] | list[BlockKind]) -> tuple
         segments.append(Segment(unit=kinds[start : start + best_period], repeats=best_repeats))
         start += best_period * best_repeats
     return tuple(segments)
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+    """A JSON-serialisable dictionary of ``config`` (for checkpoint metadata and results files)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(values: dict) -> ModelConfig:
+    """The inverse of :func:`config_to_dict`; unknown or missing fields raise ``ValueError``."""
+    try:
+        values = dict(values)
+        moe = values.pop("moe", None)
+        if moe is not None:
+            moe = MoEConfig(**{**moe, "router": RouterConfig(**moe["router"])})
+        return ModelConfig(
+            **{
+                **values,
+                "attention": AttentionConfig(**values.pop("attention")),
+                "norm": NormConfig(**values.pop("norm", {})),
+                "loss": LossConfig(**values.pop("loss", {})),
+                "layers": tuple(Segment(tuple(s["unit"]), s["repeats"]) for s in values.pop("layers")),
+                "moe": moe,
+            }
+        )
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"not a ModelConfig dictionary: {error}") from None

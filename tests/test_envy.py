@@ -202,7 +202,7 @@ def test_envy_optimizer_step_matches_the_axlearn_update_rule():
         "final_norm": {"weight": jnp.ones(3)},
     }
     grads = jax.tree.map(lambda p: jnp.arange(1.0, 4.0) * 10.0, params)
-    tx, schedule = make_optimizer(config, params, total_steps=10, embed_dim=1536)
+    tx, schedule = make_optimizer(config, params, embed_dim=1536)
     state = tx.init(params)
     for _ in range(2):  # the first step has lr 0 (warmup from 0)
         updates, state = tx.update(grads, state, params)
@@ -235,7 +235,6 @@ def test_envy_test_overfits_a_fixed_batch(name):
     tx, _ = make_optimizer(
         OptimizerConfig(learning_rate=3e-2, warmup_steps=10, weight_decay=0.0),
         model_params(model),
-        total_steps=100,
         embed_dim=config.embed_dim,
     )
     state = tx.init(model_params(model))

@@ -32,6 +32,7 @@ def _qwen3_moe(
     tie: bool = False,
     renormalize: bool = True,
     eps: float = 1e-6,
+    block_size: int = 64,
     aux_coef: float = 0.001,
 ) -> ModelConfig:
     return ModelConfig(
@@ -41,7 +42,9 @@ def _qwen3_moe(
         layers=segments_from_kinds(kinds or ["moe"] * layers),
         mlp_dim=mlp_dim,
         moe=MoEConfig(
-            router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize), expert_dim=expert_dim
+            router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize),
+            expert_dim=expert_dim,
+            block_size=block_size,
         ),
         norm=NormConfig(eps=eps, ffn_placement="pre"),
         loss=LossConfig(load_balance="hf_pooled", load_balance_weight=aux_coef),
@@ -79,7 +82,20 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b-2507": _qwen3_moe(**_30B, theta=1e7),
     "qwen3-235b-a22b": _qwen3_moe(**_235B, theta=1e6),
     "qwen3-235b-a22b-2507": _qwen3_moe(**_235B, theta=5e6),
-    # A CPU-sized model with the same structure: byte-level vocabulary plus room for special tokens.
+    # CPU-sized models with the same structure: byte-level vocabulary plus room for special tokens.
+    "qwen3-moe-micro": _qwen3_moe(
+        vocab=512,
+        embed=64,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        experts=8,
+        top_k=2,
+        expert_dim=64,
+        mlp_dim=128,
+        theta=1e4,
+    ),
     "qwen3-moe-tiny": _qwen3_moe(
         vocab=512,
         embed=128,

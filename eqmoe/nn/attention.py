@@ -94,9 +94,10 @@ class Attention(eqx.Module):
         Float[Array, "batch seq kv_heads head_dim"],
     ]:
         """Queries, keys and values, normed and rotated (queries pre-scaled with ``after_rope``)."""
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq)
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk)
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv)
+        # Flat [tokens, embed] matmuls: XLA:CPU's backward pass is much slower on split token axes.
+        batch, seq, embed = x.shape
+        flat = x.reshape(batch * seq, embed)
+        q, k, v = ((flat @ w.reshape(embed, -1)).reshape(batch, seq, *w.shape[1:]) for w in (self.wq, self.wk, self.wv))
         layout, placement = self.config.rope_layout, self.config.qk_norm
         if placement == "before_rope":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -121,8 +122,8 @@ class Attention(eqx.Module):
             scores = _scale(scores, head_dim**-0.5)
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-        out = jnp.einsum("bngqt,btnk->bqngk", probs, v).reshape(batch, seq, heads, head_dim)
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo)
+        out = jnp.einsum("bngqt,btnk->bqngk", probs, v).reshape(batch * seq, heads * head_dim)
+        return (out @ self.wo.reshape(heads * head_dim, -1)).reshape(batch, seq, -1)
 
     def __call__(
         self,

@@ -27,21 +27,35 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule.
 
     The schedule warms up linearly from 0 over ``warmup_steps`` and then follows a cosine to
-    ``learning_rate * final_lr_ratio`` at ``decay_steps`` (``None``: the run's total steps).
+    ``learning_rate * final_lr_ratio`` at ``decay_steps`` (``None``: constant after warmup). It does
+    not depend on how many steps a run is asked for, so a run extended with ``--resume`` follows
+    exactly the schedule of one long run.
     """
 
     learning_rate: float = 3e-4
+    """Peak learning rate."""
     warmup_steps: int = 100
+    """Linear warmup from 0 to the peak."""
     decay_steps: int | None = None
+    """Step at which the cosine reaches its end value (None: constant after warmup)."""
     final_lr_ratio: float = 0.1
+    """End of the cosine as a fraction of the peak."""
     b1: float = 0.9
+    """Adam first-moment decay."""
     b2: float = 0.95
+    """Adam second-moment decay."""
     eps: float = 1e-8
+    """Adam epsilon."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norm scales unless decay_norms)."""
     decay_scaled_by_schedule: bool = False
+    """AXLearn convention: decay scaled by lr_t / lr_peak instead of by lr_t."""
     decay_norms: bool = False
+    """Also decay RMSNorm scales."""
     clip_norm: float | None = 1.0
+    """Clip gradients to this global norm (None: no clipping)."""
     mup_base_dim: int | None = None
+    """mup-simple: scale matrix updates by min(mup_base_dim / embed_dim, 1) (None: off)."""
 
     def __post_init__(self):
         _positive("OptimizerConfig", learning_rate=self.learning_rate, eps=self.eps)
@@ -78,13 +92,20 @@ def envy_optimizer(embed_dim: int) -> OptimizerConfig:
     )
 
 
-def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    decay_steps = config.decay_steps or total_steps
+def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
+    if config.decay_steps is None:
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps),
+                optax.constant_schedule(config.learning_rate),
+            ],
+            [config.warmup_steps],
+        )
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
         warmup_steps=config.warmup_steps,
-        decay_steps=max(decay_steps, config.warmup_steps + 1),
+        decay_steps=max(config.decay_steps, config.warmup_steps + 1),
         end_value=config.learning_rate * config.final_lr_ratio,
     )
 
@@ -130,10 +151,10 @@ def _decay_scaled_by_schedule(rate: float, schedule: optax.Schedule, peak: float
 
 
 def make_optimizer(
-    config: OptimizerConfig, params, *, total_steps: int, embed_dim: int
+    config: OptimizerConfig, params, *, embed_dim: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
-    schedule = learning_rate_schedule(config, total_steps)
+    schedule = learning_rate_schedule(config)
     decay_mask = _mask(params, lambda path: config.decay_norms or not is_norm_scale(path))
     steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
     steps.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))

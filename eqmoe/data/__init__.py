@@ -1,0 +1,38 @@
+"""Data for training: tokenizers, the ChatML template, built-in tasks, JSONL chat files, packing, loading.
+
+NumPy only; the training code converts batches to JAX arrays. Nothing here knows about the model.
+"""
+
+from eqmoe.data.chat import ROLES, Conversation, check_messages, encode_chat, prompt_ids, render
+from eqmoe.data.jsonl import JsonlData, load_jsonl
+from eqmoe.data.loader import PackedDataset
+from eqmoe.data.packing import Batch, Packed, pack, pack_conversations, target_mask
+from eqmoe.data.tasks import ALL_KINDS, KINDS, Example, make_example, split_of, synthetic_split
+from eqmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ALL_KINDS",
+    "KINDS",
+    "ROLES",
+    "Batch",
+    "ByteTokenizer",
+    "Conversation",
+    "Example",
+    "HFTokenizer",
+    "JsonlData",
+    "Packed",
+    "PackedDataset",
+    "Tokenizer",
+    "check_messages",
+    "encode_chat",
+    "load_jsonl",
+    "load_tokenizer",
+    "make_example",
+    "pack",
+    "pack_conversations",
+    "prompt_ids",
+    "render",
+    "split_of",
+    "synthetic_split",
+    "target_mask",
+]

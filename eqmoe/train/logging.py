@@ -1,0 +1,109 @@
+"""Run outputs: a progress line, ``metrics.jsonl``, ``metrics.png`` and atomic JSON files."""
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def write_json_atomic(path: Path, value) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(value, file, indent=2)
+            file.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (flushed every line)."""
+
+    def __init__(self, path: Path, *, truncate_after_step: int | None = None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_after_step is not None and path.exists():
+            # On resume, drop lines from steps the restored checkpoint had not reached yet.
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= truncate_after_step]
+            write_lines = "".join(line + "\n" for line in kept)
+            path.write_text(write_lines)
+        elif truncate_after_step is None:
+            path.write_text("")
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def _step_of(line: str) -> int | float:
+    try:
+        return json.loads(line).get("step", math.inf)
+    except json.JSONDecodeError:
+        return math.inf
+
+
+class Progress:
+    """A one-line progress display: step, loss, tokens/s, learning rate and ETA."""
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        self.total, self.start = total_steps, start_step
+        self.started = time.perf_counter()
+        self.live = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_second: float, learning_rate: float) -> None:
+        done = step - self.start
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(done, 1) * (self.total - step)
+        width = 24
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = (
+            f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  "
+            f"lr {learning_rate:.2e}  ETA {eta:5.0f}s"
+        )
+        print(("\r" + line) if self.live else line, end="" if self.live else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.live:
+            print(file=sys.stderr)
+
+
+def plot_metrics(records: list[dict], path: Path) -> None:
+    """``metrics.png``: training and eval loss, eval accuracy and expert-load balance over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    axes[0].set_xlabel("step")
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    accuracy = [r for r in evals if "eval_accuracy" in r]
+    axes[1].plot([r["step"] for r in accuracy], [r["eval_accuracy"] for r in accuracy], "o-")
+    axes[1].set_ylim(0, 1)
+    axes[1].set_title("held-out exact match")
+    axes[1].set_xlabel("step")
+    balanced = [r for r in train if "load_cv" in r]
+    axes[2].plot([r["step"] for r in balanced], [r["load_cv"] for r in balanced])
+    axes[2].set_title("expert load: coefficient of variation (0 = uniform)")
+    axes[2].set_xlabel("step")
+    figure.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)

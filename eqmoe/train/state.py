@@ -1,0 +1,41 @@
+"""The train state: everything a run needs to continue exactly where it stopped, as one pytree."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Int, PRNGKeyArray
+
+from eqmoe.model import Transformer
+
+
+class TrainState(eqx.Module):
+    """Model, optimizer state, step counter, data position and PRNG key.
+
+    ``data_step`` is the loader position: the data order depends only on the seed and this counter,
+    so restoring the state resumes the exact batch sequence of an uninterrupted run.
+    """
+
+    model: Transformer
+    opt_state: optax.OptState
+    step: Int[Array, ""]
+    data_step: Int[Array, ""]
+    key: PRNGKeyArray
+
+
+def init_state(model: Transformer, optimizer: optax.GradientTransformation, *, key: PRNGKeyArray) -> TrainState:
+    """A fresh state at step 0 for ``model``."""
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    # Separate buffers: the train step donates the state, and one buffer cannot be donated twice.
+    step, data_step = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+    return TrainState(model=model, opt_state=opt_state, step=step, data_step=data_step, key=key)
+
+
+def abstract_state(model_fn, optimizer: optax.GradientTransformation, *, key: PRNGKeyArray) -> TrainState:
+    """The state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), built without allocating:
+    the target of a checkpoint restore. ``model_fn()`` builds the model."""
+    return eqx.filter_eval_shape(lambda: init_state(model_fn(), optimizer, key=key))
+
+
+def param_count(state: TrainState) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))

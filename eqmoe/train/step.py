@@ -1,0 +1,90 @@
+"""One optimizer step and one evaluation step, compiled with ``eqx.filter_jit``."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Int
+
+from eqmoe.losses import objective
+from eqmoe.model import Transformer
+from eqmoe.train.state import TrainState
+
+Metrics = dict[str, Float[Array, ""]]
+
+
+class Batch(eqx.Module):
+    """A training batch as device arrays: packed rows and the mask of the targets that count."""
+
+    tokens: Int[Array, "batch seq"]
+    segment_ids: Int[Array, "batch seq"]
+    positions: Int[Array, "batch seq"]
+    target_mask: Bool[Array, "batch seq"]  # target_mask[b, t]: predicting tokens[b, t] from t - 1 counts
+
+
+def batch_loss(model: Transformer, batch: Batch) -> tuple[Float[Array, ""], Metrics]:
+    """The configured objective on a packed batch (padding, segment id 0, is masked everywhere)."""
+    output = model(
+        batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=batch.segment_ids != 0
+    )
+    loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
+    if output.aux is not None:
+        load = output.aux.load
+        terms["load_cv"] = jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
+        terms["load_max_over_min"] = jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.min(load, -1), 1e-9))
+    terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
+    return loss, terms
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation, schedule: optax.Schedule
+) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
+    """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated."""
+
+    @eqx.filter_jit(donate="all-except-first")
+    def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
+        (_, terms), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch)
+        params = eqx.filter(state.model, eqx.is_array)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        terms["grad_norm"] = optax.tree.norm(grads)
+        terms["learning_rate"] = schedule(state.step)
+        key = jax.random.fold_in(state.key, state.step)
+        new_state = TrainState(model, opt_state, state.step + 1, state.data_step + 1, key)
+        return new_state, terms
+
+    return train_step
+
+
+def exact_match_counts(logits: Float[Array, "batch seq vocab"], batch: Batch) -> tuple[Int[Array, ""], Int[Array, ""]]:
+    """``(documents whose every target token is the argmax, documents with targets)`` in a packed batch.
+
+    Teacher-forced argmax over a whole answer (its closing token included) succeeds exactly when
+    greedy decoding reproduces that answer, so this is greedy exact match without a decoding loop.
+    """
+    predicted = jnp.argmax(logits[:, :-1], axis=-1)
+    targets = batch.target_mask[:, 1:]
+    wrong = (predicted != batch.tokens[:, 1:]) & targets
+    segments = batch.segment_ids[:, 1:]
+    rows = jnp.arange(segments.shape[0])[:, None]
+    slots = segments.shape[1] + 1
+    wrong_per_doc = jnp.zeros((segments.shape[0], slots), jnp.int32).at[rows, segments].add(wrong)
+    targets_per_doc = jnp.zeros((segments.shape[0], slots), jnp.int32).at[rows, segments].add(targets)
+    has_targets = (targets_per_doc > 0).at[:, 0].set(False)
+    return jnp.sum(has_targets & (wrong_per_doc == 0)), jnp.sum(has_targets)
+
+
+@eqx.filter_jit
+def eval_step(model: Transformer, batch: Batch) -> Metrics:
+    """The loss terms on a batch, without gradients, plus exact-match counts of whole answers."""
+    output = model(
+        batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=batch.segment_ids != 0
+    )
+    _, terms = objective(output, batch.tokens, batch.target_mask, model.config)
+    correct, documents = exact_match_counts(output.logits, batch)
+    terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
+    terms["exact_match_correct"] = correct.astype(jnp.float32)
+    terms["exact_match_documents"] = documents.astype(jnp.float32)
+    return terms
