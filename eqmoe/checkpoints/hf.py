@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import equinox as eqx
@@ -92,13 +93,17 @@ def _get(tree, path: tuple[str | int, ...]):
     return tree
 
 
+def iter_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
+    """``(checkpoint name, tensor)`` for every parameter, one tensor at a time: only that tensor's slice
+    of a stacked leaf is copied to the host."""
+    for name in checkpoint_names(model.config):
+        yield name.key, _to_checkpoint_layout(name, np.asarray(_get(model, name.path)[name.index]))
+
+
 def state_dict(model: Transformer) -> dict[str, np.ndarray]:
     """Every parameter of ``model`` (or a same-shaped pytree such as its gradients) under its Hugging
     Face checkpoint name, in torch ``[out, in]`` layout."""
-    return {
-        name.key: _to_checkpoint_layout(name, np.asarray(_get(model, name.path)[name.index]))
-        for name in checkpoint_names(model.config)
-    }
+    return dict(iter_tensors(model))
 
 
 def _leaf_path(key_path) -> tuple[str | int, ...]:
@@ -157,24 +162,79 @@ def load(
     return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
 
 
-def save(model: Transformer, folder: str | Path, *, overwrite: bool = False) -> Path:
-    """Write ``model`` as a Hugging Face Qwen3-MoE folder (``config.json`` + ``model.safetensors``).
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
-    The folder is assembled under a temporary name beside ``folder`` and renamed into place, so a
-    failure never leaves a half-written checkpoint. An existing ``folder`` is refused unless ``overwrite``.
+
+def _shard_bytes(max_shard_size: int | str) -> int:
+    if isinstance(max_shard_size, int):
+        size = max_shard_size
+    else:
+        text = max_shard_size.strip().upper()
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            size = int(float(text[: -len(unit)] if unit else text) * (_UNITS[unit] if unit else 1))
+        except ValueError:
+            size = 0
+    if size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} is invalid; allowed: a positive size such as '5GB'")
+    return size
+
+
+def save(
+    model: Transformer,
+    folder: str | Path,
+    *,
+    dtype: str | jnp.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a Hugging Face Qwen3-MoE folder: ``config.json`` and ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the tensors
+    exceed ``max_shard_size``. Tensors are cast to ``dtype`` (default: the parameters' dtype).
+
+    Tensors are streamed: host memory holds about one shard. The folder is assembled under a temporary
+    name beside ``folder`` and renamed into place, so a failure never leaves a half-written checkpoint.
+    An existing ``folder`` is refused unless ``overwrite``.
     """
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise FileExistsError(f"{folder}: already exists (pass overwrite=True to replace it)")
+    limit = _shard_bytes(max_shard_size)
+    target = None if dtype is None else jnp.dtype(dtype)
     hf_config = config_to_hf(model.config)
+    hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tensors = {key: np.ascontiguousarray(value) for key, value in state_dict(model).items()}
-        save_file(tensors, str(staging / SINGLE_FILE), metadata={"format": "pt"})
+        shards: list[list[str]] = []
+        pending: dict[str, np.ndarray] = {}
+        total = 0
+
+        def flush():
+            save_file(pending, str(staging / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards.append(list(pending))
+            pending.clear()
+
+        for key, tensor in iter_tensors(model):
+            tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
+            if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > limit:
+                flush()
+            pending[key] = tensor
+            total += tensor.nbytes
+        flush()
+        if len(shards) == 1:
+            (staging / "shard-0.tmp").rename(staging / SINGLE_FILE)
+        else:
+            weight_map = {}
+            for i, keys in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                (staging / f"shard-{i}.tmp").rename(staging / name)
+                weight_map.update(dict.fromkeys(keys, name))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if folder.exists():
             shutil.rmtree(folder)
         staging.rename(folder)

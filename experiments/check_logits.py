@@ -1,0 +1,117 @@
+"""Check eqmoe's logits against Hugging Face transformers on the same token ids.
+
+    python -m experiments.check_logits --hf DIR                          # convert DIR on the fly
+    python -m experiments.check_logits --hf DIR --candidate FINETUNED    # an eqmoe-exported folder vs DIR
+    python -m experiments.check_logits --hf DIR --dtype bfloat16 --max-kl 0.015
+
+transformers (torch, eager attention and experts) runs the ``--hf`` folder; eqmoe runs ``--candidate``
+(default: the same folder, converted on the fly). For each prompt it prints the top-k overlap, Jaccard
+and rank agreement at the last position and the per-position KL(P_hf || Q_eqmoe), mean and max, and it
+exits with status 1 when any max KL exceeds ``--max-kl``. Prompts are text when a tokenizer is found
+(``--tokenizer``, else ``DIR/tokenizer.json``), otherwise fixed pseudo-random token ids.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+from eqmoe.analysis.logits import compare_logits
+from eqmoe.checkpoints import hf
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Mixture-of-Experts models route each token to",
+)
+
+
+@dataclass(frozen=True)
+class Args:
+    hf: Path
+    """Hugging Face Qwen3-MoE folder: the reference, run by transformers."""
+    candidate: Path | None = None
+    """Folder eqmoe runs (default: --hf, converted on the fly), e.g. one written by eqmoe after fine-tuning."""
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    """Text prompts (used when a tokenizer is available)."""
+    tokenizer: Path | None = None
+    """tokenizer.json (default: --hf/tokenizer.json when present)."""
+    random_prompts: int = 3
+    """Without a tokenizer: how many pseudo-random prompts of --random-length ids."""
+    random_length: int = 24
+    """Without a tokenizer: tokens per pseudo-random prompt."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of both models."""
+    max_kl: float = 1e-6
+    """Fail (exit 1) when any prompt's max per-position KL exceeds this."""
+    top_k: int = 10
+    """k of the top-k diagnostics."""
+
+
+def _prompt_ids(args: Args, vocab_size: int) -> list[np.ndarray]:
+    path = args.tokenizer or (args.hf / "tokenizer.json")
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the tokenizers package raises bare Exceptions
+            raise ValueError(f"{path}: not a valid tokenizer.json ({error})") from None
+        prompts = [np.asarray(tokenizer.encode(text).ids, np.int64) for text in args.prompts]
+        for text, ids in zip(args.prompts, prompts, strict=True):
+            if len(ids) == 0 or ids.max() >= vocab_size:
+                raise ValueError(f"{path}: prompt {text!r} encodes to ids outside the model's vocabulary {vocab_size}")
+        return prompts
+    if args.tokenizer is not None:
+        raise FileNotFoundError(f"{path}: tokenizer file not found")
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, args.random_length) for _ in range(args.random_prompts)]
+
+
+def main(args: Args) -> int:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        print("check_logits: needs torch and transformers (pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    try:
+        if not (args.hf / "config.json").is_file():
+            raise FileNotFoundError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
+        model = hf.load(args.candidate or args.hf, dtype=args.dtype)
+        prompts = _prompt_ids(args, model.config.vocab_size)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"check_logits: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        args.hf,
+        dtype=getattr(torch, args.dtype),
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()
+    forward = eqx.filter_jit(lambda model, ids: model(ids).logits)
+    worst = 0.0
+    print(f"{'prompt':>6}  {'tokens':>6}  {'KL mean':>10}  {'KL max':>10}  overlap  jaccard  rank agree  max|diff|")
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            expected = reference(torch.tensor(ids[None])).logits[0].float().numpy()
+        logits = np.asarray(forward(model, jnp.asarray(ids[None], jnp.int32))[0].astype(jnp.float32))
+        result = compare_logits(expected, logits, args.top_k)
+        worst = max(worst, result.kl_max)
+        print(
+            f"{i:>6}  {len(ids):>6}  {result.kl_mean:>10.3e}  {result.kl_max:>10.3e}  "
+            f"{result.top_k_overlap:>4}/{args.top_k:<2}  {result.jaccard:>7.3f}  {result.rank_agreement:>10.2f}  "
+            f"{result.max_abs_difference:.3e}"
+        )
+    verdict = "PASS" if worst <= args.max_kl else "FAIL"
+    print(f"{verdict}: max KL {worst:.3e} (threshold {args.max_kl:.1e})")
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(tyro.cli(Args)))
