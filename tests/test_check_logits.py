@@ -78,3 +78,15 @@ def test_bfloat16_export_and_bad_shard_size(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size"):
         hf.save(model, tmp_path / "bad", max_shard_size="lots")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_vocabulary_padded_beyond_the_tokenizer_still_checks(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "the", "capital", "of", "france", "is", "def", "fibonacci(n):", "models", "route"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    save_tiny_hf(tmp_path / "hf")  # vocabulary 97, tokenizer 10
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    assert check_logits.main(check_logits.Args(hf=tmp_path / "hf")) == 0
+    assert "PASS" in capsys.readouterr().out
