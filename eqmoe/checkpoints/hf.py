@@ -211,7 +211,7 @@ def save(
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         shards: list[list[str]] = []
         pending: dict[str, np.ndarray] = {}
-        total = 0
+        pending_bytes = total = 0
 
         def flush():
             save_file(pending, str(staging / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
@@ -220,9 +220,11 @@ def save(
 
         for key, tensor in iter_tensors(model):
             tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
-            if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > limit:
+            if pending and pending_bytes + tensor.nbytes > limit:
                 flush()
+                pending_bytes = 0
             pending[key] = tensor
+            pending_bytes += tensor.nbytes
             total += tensor.nbytes
         flush()
         if len(shards) == 1:
