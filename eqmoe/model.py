@@ -142,6 +142,14 @@ class Transformer(eqx.Module):
             return ModelOutput(logits, aux)
         return ModelOutput(logits, aux, KVCache(tuple(layer_caches), valid, cache.index + seq))
 
+    def with_config(self, config: ModelConfig) -> "Transformer":
+        """These parameters under ``config``, which must describe the same parameter shapes (e.g. a
+        different ``remat``, ``dtype`` or dispatch backend). Parameters are not cast."""
+        abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+        if [x.shape for x in jax.tree.leaves(self)] != [x.shape for x in jax.tree.leaves(abstract)]:
+            raise ValueError("with_config: the new config describes different parameter shapes")
+        return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(self))
+
     def cast(self, dtype: str) -> "Transformer":
         """This model with every floating parameter in ``dtype`` (the compute copy)."""
         target = jnp.dtype(dtype)

@@ -2,13 +2,16 @@
 
     python -m experiments.check_logits --hf DIR                          # convert DIR on the fly
     python -m experiments.check_logits --hf DIR --candidate FINETUNED    # an eqmoe-exported folder vs DIR
+    python -m experiments.check_logits --hf DIR --checkpoint CKPT        # an eqmoe checkpoint (convert, sft)
     python -m experiments.check_logits --hf DIR --dtype bfloat16 --max-kl 0.015
 
-transformers (torch, eager attention and experts) runs the ``--hf`` folder; eqmoe runs ``--candidate``
-(default: the same folder, converted on the fly). For each prompt it prints the top-k overlap, Jaccard
-and rank agreement at the last position and the per-position KL(P_hf || Q_eqmoe), mean and max, and it
-exits with status 1 when any max KL exceeds ``--max-kl``. Prompts are text when a tokenizer is found
-(``--tokenizer``, else ``DIR/tokenizer.json``), otherwise fixed pseudo-random token ids.
+transformers (torch, eager attention and experts) runs the ``--hf`` folder; eqmoe runs ``--checkpoint``
+(an eqmoe checkpoint, e.g. from ``experiments.convert`` or an SFT run's ``checkpoints`` folder) or
+``--candidate`` (a Hugging Face folder), by default the ``--hf`` folder converted on the fly. For each
+prompt it prints the top-k overlap, Jaccard and rank agreement at the last position and the per-position
+KL(P_hf || Q_eqmoe), mean and max, and it exits with status 1 when any max KL exceeds ``--max-kl``.
+Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR/tokenizer.json``), otherwise fixed
+pseudo-random token ids.
 """
 
 import sys
@@ -23,6 +26,7 @@ import tyro
 
 from eqmoe.analysis.logits import compare_logits
 from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.model_checkpoint import load_model
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -36,7 +40,11 @@ class Args:
     hf: Path
     """Hugging Face Qwen3-MoE folder: the reference, run by transformers."""
     candidate: Path | None = None
-    """Folder eqmoe runs (default: --hf, converted on the fly), e.g. one written by eqmoe after fine-tuning."""
+    """Hugging Face folder eqmoe runs (default: --hf, converted on the fly), e.g. one exported after fine-tuning."""
+    checkpoint: Path | None = None
+    """eqmoe checkpoint eqmoe runs instead (experiments.convert output or a training run's checkpoints folder)."""
+    step: int | None = None
+    """With --checkpoint: the step (default: the latest)."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     """Text prompts (used when a tokenizer is available)."""
     tokenizer: Path | None = None
@@ -83,7 +91,17 @@ def main(args: Args) -> int:
     try:
         if not (args.hf / "config.json").is_file():
             raise FileNotFoundError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
-        model = hf.load(args.candidate or args.hf, dtype=args.dtype)
+        if args.candidate is not None and args.checkpoint is not None:
+            raise ValueError("give --candidate or --checkpoint, not both")
+        if args.checkpoint is not None:
+            model, _ = load_model(args.checkpoint, step=args.step, dtype=args.dtype)
+            expected = hf.read_config(args.hf).vocab_size
+            if model.config.vocab_size != expected:
+                raise ValueError(
+                    f"{args.checkpoint}: vocabulary of {model.config.vocab_size} ids, but {args.hf} has {expected}"
+                )
+        else:
+            model = hf.load(args.candidate or args.hf, dtype=args.dtype)
         prompts = _prompt_ids(args, model.config.vocab_size)
     except (ValueError, FileNotFoundError) as error:
         print(f"check_logits: {' '.join(str(error).split())}", file=sys.stderr)

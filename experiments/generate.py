@@ -3,6 +3,11 @@
     python -m experiments.generate --hf path/to/Qwen3-30B-A3B --prompt "The capital of France is"
     python -m experiments.generate --hf runs/demo/hf --prompt "1 2 3" --max-new-tokens 16 --temperature 0.7 \\
         --top-p 0.9 --seed 1 --tokenizer path/to/tokenizer.json
+    python -m experiments.generate --checkpoint runs/sft/checkpoints --prompt "<|im_start|>user..."
+
+With ``--checkpoint`` (an eqmoe checkpoint from ``experiments.convert``, or a training run's ``checkpoints``
+folder) the tokenizer defaults to the checkpoint folder's tokenizer.json, else the one the run recorded,
+else eqmoe's byte tokenizer when the run trained on bytes.
 
 Prints the prompt and its continuation as one decoded text on stdout, and one line of timing on
 stderr. Greedy unless ``--temperature`` is above 0. Decoding stops at ``--eos-id`` (by default the
@@ -20,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import tyro
 
+from eqmoe.data import ByteTokenizer
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
 
@@ -32,7 +38,11 @@ class Args:
     hf: Path | None = None
     """Hugging Face model folder (config.json + safetensors), read with eqmoe.checkpoints.hf.load."""
 
-    # A --checkpoint option (an orbax training checkpoint) goes here; ``load_model`` picks the source.
+    checkpoint: Path | None = None
+    """eqmoe checkpoint folder (experiments.convert output, or a training run's checkpoints folder)."""
+
+    step: int | None = None
+    """With --checkpoint: the step to load (default: the latest)."""
 
     tokenizer: Path | None = None
     """tokenizer.json to encode and decode with (default: tokenizer.json in the --hf folder)."""
@@ -60,26 +70,48 @@ class UsageError(Exception):
     """A problem with the command line or its files, reported as one line and exit code 2."""
 
 
-def load_model(args: Args) -> tuple[Transformer, Path]:
-    """The model to generate with, and the folder its default tokenizer.json would sit in."""
-    if args.hf is None:
-        raise UsageError("--hf DIR is required (a Hugging Face model folder)")
-    from eqmoe.checkpoints import hf
+class Tokenizer:
+    """A Hugging Face tokenizer.json, special tokens included as written in the prompt."""
 
-    if not args.hf.is_dir():
-        raise UsageError(f"{args.hf}: model folder not found")
-    return hf.load(args.hf, dtype=args.dtype), args.hf
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HF
+
+        if not path.is_file():
+            raise UsageError(f"{path}: tokenizer not found (pass --tokenizer path/to/tokenizer.json)")
+        try:
+            self._tokenizer = HF.from_file(str(path))
+        except Exception as error:  # tokenizers raises a bare Exception for unreadable files
+            raise UsageError(f"{path}: not a tokenizers tokenizer.json ({error})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
 
 
-def load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
+def load_model(args: Args) -> tuple[Transformer, Path, Tokenizer | ByteTokenizer]:
+    """The model to generate with, the folder its generation settings sit in, and its tokenizer."""
+    if (args.hf is None) == (args.checkpoint is None):
+        raise UsageError("give one of --hf DIR (a Hugging Face folder) or --checkpoint DIR (an eqmoe checkpoint)")
+    folder = args.hf or args.checkpoint
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: model folder not found")
+    if args.hf is not None:
+        from eqmoe.checkpoints import hf
 
-    if not path.is_file():
-        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer path/to/tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as error:  # tokenizers raises a bare Exception for unreadable files
-        raise UsageError(f"{path}: not a tokenizers tokenizer.json ({error})") from None
+        model, recorded = hf.load(args.hf, dtype=args.dtype), {}
+    else:
+        from eqmoe.checkpoints.model_checkpoint import load_model as load_checkpoint
+
+        model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype)
+    if args.tokenizer is not None or (folder / "tokenizer.json").is_file():
+        return model, folder, Tokenizer(args.tokenizer or folder / "tokenizer.json")
+    if recorded.get("tokenizer") is None and "tokenizer" in recorded:  # the run trained on bytes
+        return model, folder, ByteTokenizer()
+    if isinstance(recorded.get("tokenizer"), str):
+        return model, folder, Tokenizer(Path(recorded["tokenizer"]))
+    raise UsageError(f"{folder}: no tokenizer.json (pass --tokenizer path/to/tokenizer.json)")
 
 
 def default_eos_id(folder: Path) -> int | None:
@@ -105,9 +137,8 @@ def run(args: Args) -> str:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {args.dtype}: allowed: float32 | bfloat16 | float16")
-    model, folder = load_model(args)
-    tokenizer = load_tokenizer(args.tokenizer or folder / "tokenizer.json")
-    ids = tokenizer.encode(args.prompt).ids
+    model, folder, tokenizer = load_model(args)
+    ids = tokenizer.encode(args.prompt)
     vocab = model.config.vocab_size
     if not ids:
         raise UsageError("the prompt is empty after tokenization")

@@ -2,6 +2,7 @@
 
     python -m experiments.sft                                   # tiny model, built-in tasks, ~5 min on CPU
     python -m experiments.sft --init-from-hf DIR --data chats.jsonl --tokenizer DIR/tokenizer.json
+    python -m experiments.sft --init-from-checkpoint CKPT --data chats.jsonl --tokenizer CKPT/tokenizer.json
     python -m experiments.sft --steps 4000 --resume             # continue the run in --out-dir
 
 With no arguments it trains the ``qwen3-moe-micro`` preset from scratch on built-in synthetic chat tasks
@@ -27,6 +28,7 @@ import tyro
 
 from eqmoe import Transformer, presets
 from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.config import ModelConfig, config_from_dict, config_to_dict
 from eqmoe.data import (
@@ -50,6 +52,8 @@ class ModelOptions:
     """Model preset to train from scratch (ignored with --init-from-hf)."""
     init_from_hf: Path | None = None
     """Start from this Hugging Face Qwen3-MoE folder (config.json + safetensors) instead of a preset."""
+    init_from_checkpoint: Path | None = None
+    """Start from this eqmoe checkpoint (experiments.convert output or another run's checkpoints folder)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (parameters and optimizer state stay float32)."""
     remat: Literal["none", "block"] = "none"
@@ -109,12 +113,15 @@ class UsageError(Exception):
 
 
 def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tuple[Transformer, ModelConfig]:
-    if options.init_from_hf is not None:
-        model = hf.load(options.init_from_hf, compute_dtype=options.dtype)
-        config = model.config.replace(remat=options.remat)
-        model = jax.tree.unflatten(
-            jax.tree.structure(Transformer(config, key=jax.random.key(0))), jax.tree.leaves(model)
-        )
+    if options.init_from_hf is not None and options.init_from_checkpoint is not None:
+        raise UsageError("give --init-from-hf or --init-from-checkpoint, not both")
+    if options.init_from_hf is not None or options.init_from_checkpoint is not None:
+        if options.init_from_hf is not None:
+            model = hf.load(options.init_from_hf)
+        else:
+            model, _ = load_model(options.init_from_checkpoint, dtype="float32")
+        config = model.config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
+        model = model.with_config(config)
     else:
         config = presets.get(options.preset).replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
         model = Transformer(config, key=jax.random.key(seed))
@@ -233,6 +240,7 @@ def run(args: Args) -> dict:
                 "data_step": int(state.data_step),
                 "seed": run_options.seed,
                 "config": config_to_dict(config),
+                "tokenizer": None if args.data.tokenizer is None else str(args.data.tokenizer.absolute()),
             },
         )
 

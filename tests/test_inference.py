@@ -214,7 +214,7 @@ def test_cli_generates_text(hf_folder, capsys):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(hf=None), "--hf DIR is required"),
+        (dict(hf=None), "give one of --hf DIR"),
         (dict(hf="missing"), "model folder not found"),
         (dict(tokenizer="nope.json"), "tokenizer not found"),
         (dict(top_p=0.0), "--top-p"),

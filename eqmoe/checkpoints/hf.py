@@ -3,7 +3,6 @@
 import json
 import math
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
@@ -20,6 +20,15 @@ from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf,
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+SIDE_FILES = (  # travel with the weights through conversions: tokenizer and generation settings
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def read_config(folder: str | Path) -> ModelConfig:
@@ -34,6 +43,30 @@ def read_config(folder: str | Path) -> ModelConfig:
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return config_from_hf(hf, str(path))
+
+
+def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array aligned to 64 bytes, which XLA:CPU adopts as a device buffer without copying."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + 64, np.uint8)
+    offset = -raw.ctypes.data % 64
+    return raw[offset : offset + size].view(dtype).reshape(shape)
+
+
+def stored_dtype(folder: str | Path) -> str:
+    """The parameter dtype ``config.json`` declares (``dtype``, or the older ``torch_dtype``); float32 if none."""
+    try:
+        hf = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    value = (hf.get("dtype") or hf.get("torch_dtype")) if isinstance(hf, dict) else None
+    return value if value in ("float32", "bfloat16", "float16") else "float32"
+
+
+def side_files(folder: str | Path) -> list[Path]:
+    """The :data:`SIDE_FILES` present in ``folder``."""
+    return [Path(folder) / name for name in SIDE_FILES if (Path(folder) / name).is_file()]
 
 
 def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
@@ -150,14 +183,14 @@ def load(
         by_leaf.setdefault(name.path, []).append(name)
     arrays = {}
     for path, leaf in leaves.items():
-        buffer = np.empty(leaf.shape, leaf.dtype)
+        buffer = host_buffer(leaf.shape, leaf.dtype)
         filled = 0
         for name in by_leaf.get(path, []):
             piece = leaf.shape[len(name.index) :]
             buffer[name.index] = _to_model_layout(name, files[name.key].read(name.key), piece)
             filled += math.prod(piece)
         assert filled == buffer.size, f"checkpoint name map leaves part of {path} unset"
-        arrays[path] = jnp.asarray(buffer)
+        arrays[path] = jax.device_put(buffer)  # on CPU an aligned buffer becomes the array without a copy
         del buffer
     return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
 
@@ -187,6 +220,7 @@ def save(
     dtype: str | jnp.dtype | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    extra_files: list[Path] = (),
 ) -> Path:
     """Write ``model`` as a Hugging Face Qwen3-MoE folder: ``config.json`` and ``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the tensors
@@ -194,20 +228,19 @@ def save(
 
     Tensors are streamed: host memory holds about one shard. The folder is assembled under a temporary
     name beside ``folder`` and renamed into place, so a failure never leaves a half-written checkpoint.
-    An existing ``folder`` is refused unless ``overwrite``.
+    An existing ``folder`` is refused unless ``overwrite``. ``extra_files`` (e.g. :func:`side_files` of the
+    source folder) are copied in beside the weights.
     """
     from safetensors.numpy import save_file
 
     folder = Path(folder)
-    if folder.exists() and not overwrite:
-        raise FileExistsError(f"{folder}: already exists (pass overwrite=True to replace it)")
     limit = _shard_bytes(max_shard_size)
     target = None if dtype is None else jnp.dtype(dtype)
     hf_config = config_to_hf(model.config)
     hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with staged_folder(folder, overwrite=overwrite) as staging:
+        for extra in extra_files:
+            shutil.copyfile(extra, staging / Path(extra).name)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         shards: list[list[str]] = []
         pending: dict[str, np.ndarray] = {}
@@ -237,10 +270,4 @@ def save(
                 weight_map.update(dict.fromkeys(keys, name))
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return folder

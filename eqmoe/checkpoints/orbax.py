@@ -2,7 +2,7 @@
 
 Each step is an orbax directory ``<directory>/<step>/`` with three items:
 
-- ``arrays``: every array leaf of the tree (``StandardSave``); typed PRNG keys are stored as their key data;
+- ``arrays``: every array leaf of the tree (orbax's PyTree format); typed PRNG keys are stored as their key data;
 - ``layout``: the path, shape and dtype of each of those leaves, checked before any array is restored;
 - ``metadata``: the caller's JSON dict (model config, data position, ...).
 
@@ -61,12 +61,29 @@ def _check_layout(saved: dict[str, list], expected: dict[str, list], where: Path
 
 
 def _restore_target(leaf: Any) -> jax.ShapeDtypeStruct:
-    """What orbax should read for ``leaf``: its key data for PRNG keys; the default device if unsharded."""
-    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    """What orbax should read for ``leaf``: its key data for PRNG keys, with the leaf's sharding if any."""
     abstract = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     if _is_key(leaf):
         abstract = jax.eval_shape(jax.random.key_data, abstract)
-    return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _restore_args(target: jax.ShapeDtypeStruct) -> ocp.RestoreArgs:
+    """Sharded leaves are read straight into device arrays; the others into host arrays first (see
+    :func:`_to_device`), which keeps a restore from holding every array twice."""
+    if target.sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
+    return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
+
+
+def _to_device(leaves: list) -> list:
+    """Move host arrays to the default device one at a time, dropping each host copy as soon as it is moved."""
+    moved = []
+    while leaves:
+        leaf = leaves.pop(0)
+        moved.append(jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf)
+        del leaf
+    return moved
 
 
 class Checkpointer:
@@ -84,7 +101,17 @@ class Checkpointer:
             create=False,  # created on the first save, so restoring from a wrong path leaves no directory behind
             enable_async_checkpointing=False,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Uncompressed: zstd gains little on trained float weights and its buffers doubled the peak memory of a save.
+        arrays = ocp.PyTreeCheckpointHandler(use_compression=False)
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item, save, restore, handler in (
+            ("arrays", ocp.args.PyTreeSave, ocp.args.PyTreeRestore, arrays),
+            ("layout", ocp.args.JsonSave, ocp.args.JsonRestore, None),
+            ("metadata", ocp.args.JsonSave, ocp.args.JsonRestore, None),
+        ):
+            registry.add(item, save, handler)
+            registry.add(item, restore, handler)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     def all_steps(self) -> list[int]:
         """Finished steps on disk, oldest first (re-read each call, so steps saved elsewhere appear)."""
@@ -115,7 +142,7 @@ class Checkpointer:
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
-                arrays=ocp.args.StandardSave(data),
+                arrays=ocp.args.PyTreeSave(data),
                 layout=ocp.args.JsonSave({"format": LAYOUT_FORMAT, "leaves": _layout(arrays)}),
                 metadata=ocp.args.JsonSave(metadata),
             ),
@@ -124,42 +151,76 @@ class Checkpointer:
         if not saved:
             raise RuntimeError(f"{self.directory}: orbax declined to save step {step}")
 
-    def restore(self, step: int | None, abstract_tree: Any) -> tuple[Any, dict[str, Any]]:
-        """``(tree, metadata)`` saved at ``step`` (None: the latest), shaped like ``abstract_tree``.
-
-        ``abstract_tree`` must have the saved tree's array leaves (same paths, shapes and dtypes), as
-        ``jax.ShapeDtypeStruct`` or arrays; its other leaves are returned as they are. Leaves without a
-        sharding are placed on the default device.
-        """
+    def _finished_step(self, step: int | None) -> int:
+        """``step``, or the latest when None, after checking that it is a finished step on disk."""
         if not self.directory.is_dir():
             raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"{self.directory}: no finished checkpoint in this directory")
         if step is None:
-            step = steps[-1]
-        elif step not in steps:
+            return steps[-1]
+        if step not in steps:
             raise FileNotFoundError(f"{self.directory}: no finished checkpoint for step {step} (saved: {steps})")
+        return step
 
-        abstract_arrays, static = eqx.partition(abstract_tree, _is_array)
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata dict saved with ``step`` (None: the latest), read without touching the arrays."""
+        step = self._finished_step(step)
+        return self._manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
+
+    def leaf_paths(self, step: int | None = None) -> list[str]:
+        """The ``jax.tree_util.keystr`` path of every array saved with ``step`` (None: the latest)."""
+        return list(self._layout(self._finished_step(step)))
+
+    def _layout(self, step: int) -> dict[str, list]:
         layout = self._manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
         if layout.get("format") != LAYOUT_FORMAT:
             raise ValueError(f"{self.directory / str(step)}: unknown layout format {layout.get('format')!r}")
-        _check_layout(layout["leaves"], _layout(abstract_arrays), self.directory / str(step))
+        return layout["leaves"]
 
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                arrays=ocp.args.StandardRestore(jax.tree.map(_restore_target, abstract_arrays)),
-                metadata=ocp.args.JsonRestore(),
-            ),
+    def restore(self, step: int | None, abstract_tree: Any, *, field: str | None = None) -> tuple[Any, dict[str, Any]]:
+        """``(tree, metadata)`` saved at ``step`` (None: the latest), shaped like ``abstract_tree``.
+
+        ``abstract_tree`` must have the saved tree's array leaves (same paths, shapes and dtypes), as
+        ``jax.ShapeDtypeStruct`` or arrays; its other leaves are returned as they are. Leaves without a
+        sharding are placed on the default device.
+
+        With ``field``, only that attribute of the saved tree is read (e.g. ``field="model"`` takes the
+        model out of a saved train state without reading the optimizer state) and ``abstract_tree``
+        describes that attribute alone.
+        """
+        step = self._finished_step(step)
+        abstract_arrays, static = eqx.partition(abstract_tree, _is_array)
+        expected = _layout(abstract_arrays)
+        saved = self._layout(step)
+        if field is not None:  # an attribute (``.model``) of a module, or a key (``['model']``) of a dict
+            prefix = next((p for p in (f".{field}", f"[{field!r}]") if any(k.startswith(p) for k in saved)), None)
+            if prefix is None:
+                raise ValueError(f"{self.directory / str(step)}: the saved tree has no field {field!r}")
+            expected = {f"{prefix}{path}": value for path, value in expected.items()}
+            saved = {path: value for path, value in saved.items() if path.startswith(prefix)}
+        _check_layout(saved, expected, self.directory / str(step))
+
+        # The saved tree is flattened by attribute name, so a one-key dict selects a field.
+        target = jax.tree.map(_restore_target, abstract_arrays)
+        target = target if field is None else {field: target}
+        arrays_args = ocp.args.PyTreeRestore(
+            item=target, restore_args=jax.tree.map(_restore_args, target), partial_restore=field is not None
         )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(arrays=arrays_args, metadata=ocp.args.JsonRestore())
+        )
+        metadata = restored["metadata"]
+        leaves, structure = jax.tree.flatten(restored["arrays"] if field is None else restored["arrays"][field])
+        del restored  # so that _to_device holds the only reference to each host array
+        restored_arrays = jax.tree.unflatten(structure, _to_device(leaves))
         arrays = jax.tree.map(
             lambda leaf, x: jax.random.wrap_key_data(x, impl=leaf.dtype) if _is_key(leaf) else x,
             abstract_arrays,
-            restored["arrays"],
+            restored_arrays,
         )
-        return eqx.combine(arrays, static), restored["metadata"]
+        return eqx.combine(arrays, static), metadata
 
     def close(self) -> None:
         """Wait for pending work (old-step deletion) and release orbax's resources."""

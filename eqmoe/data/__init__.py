@@ -8,7 +8,7 @@ from eqmoe.data.jsonl import JsonlData, load_jsonl
 from eqmoe.data.loader import PackedDataset
 from eqmoe.data.packing import Batch, Packed, pack, pack_conversations, target_mask
 from eqmoe.data.tasks import ALL_KINDS, KINDS, Example, make_example, split_of, synthetic_split
-from eqmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from eqmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_vocab_size
 
 __all__ = [
     "ALL_KINDS",
@@ -27,6 +27,7 @@ __all__ = [
     "encode_chat",
     "load_jsonl",
     "load_tokenizer",
+    "tokenizer_vocab_size",
     "make_example",
     "pack",
     "pack_conversations",

@@ -110,16 +110,7 @@ class HFTokenizer:
     def from_file(cls, path: str | Path) -> "HFTokenizer":
         """Load a ``tokenizer.json``; ``ValueError`` naming the file when it is missing, invalid or lacks
         ``<|im_start|>``, ``<|im_end|>`` or ``<|endoftext|>``."""
-        from tokenizers import Tokenizer as _HF
-
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"{path}: tokenizer file not found")
-        try:
-            tokenizer = _HF.from_file(str(path))
-        except Exception as error:  # the library raises a bare Exception for every parse failure
-            raise ValueError(f"{path}: not a valid Hugging Face tokenizer.json ({error})") from None
-        return cls(tokenizer, str(path))
+        return cls(_read_tokenizer_json(path), str(path))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
@@ -140,3 +131,20 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | HFTokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     return HFTokenizer.from_file(path)
+
+
+def _read_tokenizer_json(path: str | Path):
+    from tokenizers import Tokenizer as _HF
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: tokenizer file not found")
+    try:
+        return _HF.from_file(str(path))
+    except Exception as error:  # the library raises a bare Exception for every parse failure
+        raise ValueError(f"{path}: not a valid Hugging Face tokenizer.json ({error})") from None
+
+
+def tokenizer_vocab_size(path: str | Path) -> int:
+    """How many ids a ``tokenizer.json`` can produce (added tokens included); needs no chat specials."""
+    return _read_tokenizer_json(path).get_vocab_size(with_added_tokens=True)

@@ -1,0 +1,132 @@
+"""Convert between Hugging Face Qwen3-MoE folders and eqmoe (orbax) model checkpoints.
+
+    python -m experiments.convert --hf path/to/Qwen3-30B-A3B --out ckpt/qwen3-30b   # HF -> eqmoe
+    python -m experiments.convert --checkpoint ckpt/qwen3-30b --to-hf out/qwen3-30b  # eqmoe -> HF
+    python -m experiments.convert --checkpoint runs/sft/checkpoints --to-hf out/sft-hf --max-shard-size 2GB
+
+An eqmoe checkpoint loads with ``eqmoe.checkpoints.model_checkpoint.load_model``, ``sft --init-from-checkpoint``,
+``generate --checkpoint`` and ``check_logits --checkpoint``; ``--checkpoint`` also takes a training run's
+``checkpoints`` folder (its latest step, or ``--step``). Tokenizer and generation files travel with the weights.
+Tensors move one at a time, so host memory holds about the model once plus one tensor (plus one output shard
+when writing HF). Outputs are written under a temporary name and renamed; an existing output is refused
+unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
+"""
+
+import errno
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import tyro
+
+from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.model_checkpoint import load_model, save_model
+from eqmoe.data import tokenizer_vocab_size
+
+
+@dataclass(frozen=True)
+class Args:
+    hf: Path | None = None
+    """Hugging Face Qwen3-MoE folder to convert to an eqmoe checkpoint (with --out)."""
+    out: Path | None = None
+    """eqmoe checkpoint folder to write (with --hf)."""
+    checkpoint: Path | None = None
+    """eqmoe checkpoint (or a training run's checkpoints folder) to export (with --to-hf)."""
+    to_hf: Path | None = None
+    """Hugging Face folder to write (with --checkpoint)."""
+    step: int | None = None
+    """With --checkpoint: the step to export (default: the latest)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the written tensors; auto keeps the source's (config.json's dtype for --hf)."""
+    tokenizer: Path | None = None
+    """tokenizer.json to check against the vocabulary and ship with the output (default: the source's)."""
+    max_shard_size: str = "5GB"
+    """With --to-hf: the largest safetensors shard (an index json is written when there are several)."""
+    overwrite: bool = False
+    """Replace an existing output folder."""
+
+
+class UsageError(Exception):
+    """An expected failure the user can fix: reported as one line, exit code 2."""
+
+
+def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[Path]:
+    """The tokenizer and generation files to copy, after checking that the tokenizer fits the vocabulary.
+
+    A vocabulary padded beyond the tokenizer (Qwen pads to a multiple of 128) is fine; the reverse is not."""
+    files = hf.side_files(source)
+    if tokenizer is not None:
+        files = [f for f in files if f.name != "tokenizer.json"] + [tokenizer]
+    for path in files:
+        if path.name == "tokenizer.json" and (size := tokenizer_vocab_size(path)) > vocab_size:
+            raise UsageError(f"{path}: the tokenizer has {size} ids but the model's vocabulary has {vocab_size}")
+    return files
+
+
+def recorded_tokenizer(metadata: dict) -> Path | None:
+    """The tokenizer.json a training run recorded in its checkpoint metadata, when it still exists."""
+    path = metadata.get("tokenizer")
+    return Path(path) if isinstance(path, str) and Path(path).is_file() else None
+
+
+def _check_output(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise UsageError(f"{path}: already exists (pass --overwrite to replace it)")
+
+
+def to_checkpoint(args: Args) -> str:
+    assert args.hf is not None and args.out is not None
+    if not (args.hf / "config.json").is_file():
+        raise UsageError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
+    _check_output(args.out, args.overwrite)
+    config = hf.read_config(args.hf)
+    extra = _side_files(args.hf, args.tokenizer, config.vocab_size)
+    dtype = hf.stored_dtype(args.hf) if args.dtype == "auto" else args.dtype
+    model = hf.load(args.hf, dtype=dtype)
+    save_model(
+        model, args.out, metadata={"source": str(args.hf.absolute())}, overwrite=args.overwrite, extra_files=extra
+    )
+    return f"{args.hf} -> {args.out} ({dtype})"
+
+
+def to_hf(args: Args) -> str:
+    assert args.checkpoint is not None and args.to_hf is not None
+    if not args.checkpoint.is_dir():
+        raise UsageError(f"{args.checkpoint}: checkpoint folder not found")
+    _check_output(args.to_hf, args.overwrite)
+    model, metadata = load_model(args.checkpoint, step=args.step)
+    tokenizer = args.tokenizer or recorded_tokenizer(metadata)
+    extra = _side_files(args.checkpoint, tokenizer, model.config.vocab_size)
+    dtype = None if args.dtype == "auto" else args.dtype
+    hf.save(model, args.to_hf, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=True, extra_files=extra)
+    return f"{args.checkpoint} -> {args.to_hf} ({dtype or model.config.param_dtype})"
+
+
+def run(args: Args) -> str:
+    if args.hf is not None and args.out is not None and args.checkpoint is None and args.to_hf is None:
+        return to_checkpoint(args)
+    if args.checkpoint is not None and args.to_hf is not None and args.hf is None and args.out is None:
+        return to_hf(args)
+    raise UsageError("give either --hf DIR --out DIR (HF -> eqmoe) or --checkpoint DIR --to-hf DIR (eqmoe -> HF)")
+
+
+def main(args: Args) -> int:
+    start = time.perf_counter()
+    try:
+        done = run(args)
+    except (UsageError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+        print(f"convert: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+            raise
+        print(f"convert: {error}", file=sys.stderr)
+        return 2
+    print(f"convert: {done} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(tyro.cli(Args)))
