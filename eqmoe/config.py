@@ -162,26 +162,28 @@ class MoEConfig:
 
     ``dispatch``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
-    ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity factor);
-    ``"auto"`` picks ``capacity`` for capacity routing and the fast dropless backend otherwise.
+    ``"ragged_dot"`` sorts them without padding and calls ``jax.lax.ragged_dot`` (dropless, the GPU/TPU
+    path); ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity
+    factor); ``"auto"`` picks ``capacity`` for capacity routing, else ``sorted`` on CPU and
+    ``ragged_dot`` on accelerators.
     Every backend gives the same numbers for the same routing.
     """
 
     router: RouterConfig
     expert_dim: int
-    dispatch: Literal["dense", "sorted", "capacity", "auto"] = "auto"
-    block_size: int = 64
+    dispatch: Literal["dense", "sorted", "ragged_dot", "capacity", "auto"] = "auto"
+    block_size: int = 128
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
-        _one_of("MoEConfig", "dispatch", self.dispatch, ("dense", "sorted", "capacity", "auto"))
+        _one_of("MoEConfig", "dispatch", self.dispatch, ("dense", "sorted", "ragged_dot", "capacity", "auto"))
         if self.dispatch == "capacity":
             _check(
                 self.router.capacity_factor is not None,
                 "MoEConfig",
                 "dispatch",
                 self.dispatch,
-                "dense | sorted | auto when router.capacity_factor is None",
+                "dense | sorted | ragged_dot | auto when router.capacity_factor is None",
             )
 
 

@@ -6,14 +6,16 @@ the others must agree with it. Signature: ``backend(x, routing, experts, config)
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqmoe.config import MoEConfig
 from eqmoe.nn._init import Init
+from eqmoe.nn.grouped import grouped_swiglu
 from eqmoe.nn.mlp import silu
 from eqmoe.nn.router import Routing, expert_capacity
 
@@ -44,45 +46,75 @@ def dense(
     return jnp.einsum("te,etd->td", combine, outputs)
 
 
+class BlockLayout(NamedTuple):
+    """Where each token slot goes when the slots are sorted by expert and every expert's group is padded
+    to whole blocks: ``slot_rows[t, j]`` is the row of token ``t``'s ``j``-th slot, ``row_tokens[r]`` the
+    token in row ``r`` (``tokens`` for padding), ``block_experts[n]`` the expert of block ``n``, and
+    ``used_blocks`` how many leading blocks hold any slot."""
+
+    slot_rows: Int[Array, "tokens top_k"]
+    row_tokens: Int[Array, " rows"]
+    block_experts: Int[Array, " blocks"]
+    used_blocks: Int[Array, ""]
+
+
+def block_layout(experts: Int[Array, "tokens top_k"], num_experts: int, block_size: int) -> BlockLayout:
+    """The :class:`BlockLayout` of a routing. Its static size is ``tokens * top_k + num_experts *
+    (block_size - 1)`` rows rounded up to whole blocks, so shapes never depend on the routing."""
+    tokens, top_k = experts.shape
+    slots = tokens * top_k
+    num_blocks = -(-(slots + num_experts * (block_size - 1)) // block_size)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    group_sizes = jnp.bincount(flat, length=num_experts)
+    padded_ends = jnp.cumsum(-(-group_sizes // block_size) * block_size)
+    padded_starts = padded_ends - (-(-group_sizes // block_size) * block_size)
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    sorted_rows = padded_starts[sorted_experts] + jnp.arange(slots) - group_starts[sorted_experts]
+    block_starts = jnp.arange(num_blocks) * block_size
+    return BlockLayout(
+        slot_rows=jnp.zeros(slots, jnp.int32).at[order].set(sorted_rows).reshape(tokens, top_k),
+        row_tokens=jnp.full(num_blocks * block_size, tokens, jnp.int32).at[sorted_rows].set(order // top_k),
+        block_experts=jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"), num_experts - 1),
+        used_blocks=padded_ends[-1] // block_size,
+    )
+
+
 def sorted_blocks(
     x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
-    """Dropless grouped compute: sort the ``T*k`` token slots by expert, pad each expert's group to a
-    multiple of ``block_size`` rows, and run one matmul per block with that block's expert weights.
+    """Dropless grouped compute: gather the ``T*k`` token slots into expert-sorted blocks of
+    ``block_size`` rows (:func:`block_layout`), run each block with its expert's weights
+    (:func:`eqmoe.nn.grouped.grouped_swiglu`), and gather each token's ``k`` outputs back.
 
-    The padded layout has a static bound of ``T*k + E*(block_size - 1)`` rows (rounded up to whole
-    blocks), so shapes never depend on the routing.
+    Memory is linear in ``T``: the largest intermediates are ``[rows, embed]`` and ``[rows, expert_dim]``.
     """
-    block_size = config.block_size
+    layout = block_layout(routing.experts, params.w_gate.shape[0], config.block_size)
+    embed = x.shape[1]
+    padded = jnp.concatenate([x, jnp.zeros((1, embed), x.dtype)])  # the row padding slots read
+    rows = padded[layout.row_tokens].reshape(-1, config.block_size, embed)
+    out = grouped_swiglu(rows, params.w_gate, params.w_up, params.w_down, layout.block_experts, layout.used_blocks)
+    slot_outputs = out.reshape(-1, embed)[layout.slot_rows]
+    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
+
+
+def ragged(
+    x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
+) -> Float[Array, "tokens embed"]:
+    """Dropless grouped compute with ``jax.lax.ragged_dot``: the ``T*k`` slots sorted by expert with no
+    padding, one ragged matmul per weight. The kernel XLA provides on GPU and TPU (slow on XLA:CPU)."""
     tokens, top_k = routing.experts.shape
-    num_experts = params.w_gate.shape[0]
-    slots = tokens * top_k
-    num_blocks = -(-(slots + num_experts * (block_size - 1)) // block_size)
-
-    flat_experts = routing.experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    sorted_experts = flat_experts[order]
-    sorted_tokens = order // top_k
-    sorted_weights = routing.weights.reshape(-1)[order]
-
-    group_sizes = jnp.bincount(flat_experts, length=num_experts)
-    padded_sizes = -(-group_sizes // block_size) * block_size
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
-    padded_ends = jnp.cumsum(padded_sizes)
-    padded_starts = padded_ends - padded_sizes
-    rows = padded_starts[sorted_experts] + jnp.arange(slots) - group_starts[sorted_experts]
-
-    block_inputs = jnp.zeros((num_blocks * block_size, x.shape[1]), x.dtype).at[rows].set(x[sorted_tokens])
-    block_inputs = block_inputs.reshape(num_blocks, block_size, -1)
-    block_starts = jnp.arange(num_blocks) * block_size
-    block_experts = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"), num_experts - 1)
-
-    hidden = silu(jnp.einsum("nbd,ndf->nbf", block_inputs, params.w_gate[block_experts]))
-    hidden = hidden * jnp.einsum("nbd,ndf->nbf", block_inputs, params.w_up[block_experts])
-    block_outputs = jnp.einsum("nbf,nfd->nbd", hidden, params.w_down[block_experts]).reshape(-1, x.shape[1])
-
-    slot_outputs = block_outputs[rows] * sorted_weights[:, None]
-    return jnp.zeros_like(x).at[sorted_tokens].add(slot_outputs)
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=params.w_gate.shape[0]).astype(jnp.int32)
+    slots = x[order // top_k]
+    hidden = silu(jax.lax.ragged_dot(slots, params.w_gate, group_sizes))
+    hidden = hidden * jax.lax.ragged_dot(slots, params.w_up, group_sizes)
+    out = jax.lax.ragged_dot(hidden, params.w_down, group_sizes)
+    sorted_position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
+    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
 
 
 def capacity(
@@ -110,14 +142,18 @@ def capacity(
 
 
 Dispatch = Callable[..., Float[Array, "tokens embed"]]
-BACKENDS: dict[str, Dispatch] = {"dense": dense, "sorted": sorted_blocks, "capacity": capacity}
+BACKENDS: dict[str, Dispatch] = {"dense": dense, "sorted": sorted_blocks, "ragged_dot": ragged, "capacity": capacity}
 
 
 def resolve(config: MoEConfig) -> Dispatch:
-    """The configured backend; ``"auto"`` is ``capacity`` for capacity routing, else ``sorted``."""
+    """The configured backend. ``"auto"`` is ``capacity`` for capacity routing, otherwise ``sorted`` on
+    CPU (where ``ragged_dot`` is emulated slowly) and ``ragged_dot`` on GPU and TPU."""
     name = config.dispatch
     if name == "auto":
-        name = "sorted" if config.router.capacity_factor is None else "capacity"
+        if config.router.capacity_factor is not None:
+            name = "capacity"
+        else:
+            name = "sorted" if jax.default_backend() == "cpu" else "ragged_dot"
     if name not in BACKENDS:
         raise ValueError(f"unknown dispatch backend {name!r}; allowed: auto | {' | '.join(BACKENDS)}")
     return BACKENDS[name]
