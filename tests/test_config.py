@@ -141,7 +141,7 @@ def test_top2_gating_needs_top_k_2_and_capacity_dispatch_needs_a_factor():
 
 # Literal-typed fields: (valid instance, owner, field, bad value, every allowed value).
 _CHOICES = [
-    (_moe, "MoEConfig", "dispatch", "ragged", ("dense", "sorted", "capacity", "auto")),
+    (_moe, "MoEConfig", "dispatch", "megablox", ("dense", "sorted", "ragged_dot", "capacity", "auto")),
     (NormConfig, "NormConfig", "ffn_placement", "sandwich", ("pre", "post", "hybrid")),
     (NormConfig, "NormConfig", "stats_dtype", "float64", ("float32", "input")),
     (_attention, "AttentionConfig", "qk_norm", "after_norm", ("none", "before_rope", "after_rope")),
@@ -183,7 +183,7 @@ def test_unknown_strings_raise_value_error_without_the_type_check_hook():
     script = textwrap.dedent("""
         from eqmoe.config import AttentionConfig, MoEConfig, NormConfig, RouterConfig, Segment
         cases = [
-            lambda: MoEConfig(RouterConfig(4, 2), 8, dispatch="ragged"),
+            lambda: MoEConfig(RouterConfig(4, 2), 8, dispatch="megablox"),
             lambda: NormConfig(ffn_placement="sandwich"),
             lambda: AttentionConfig(4, 2, 8, qk_norm="after_norm"),
             lambda: Segment(("dense", "attention"), 2),
@@ -200,7 +200,7 @@ def test_unknown_strings_raise_value_error_without_the_type_check_hook():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines == [
-        "MoEConfig.dispatch='ragged' is invalid; allowed: dense | sorted | capacity | auto",
+        "MoEConfig.dispatch='megablox' is invalid; allowed: dense | sorted | ragged_dot | capacity | auto",
         "NormConfig.ffn_placement='sandwich' is invalid; allowed: pre | post | hybrid",
         "AttentionConfig.qk_norm='after_norm' is invalid; allowed: none | before_rope | after_rope",
         "Segment.unit='attention' is invalid; allowed: dense | moe",
