@@ -1,5 +1,14 @@
-"""Reports computed from configs and models: parameter counts."""
+"""Reports computed from configs and models: parameter counts, routing statistics."""
 
 from eqmoe.analysis.params import ParamRow, count_parameters, parameter_table
+from eqmoe.analysis.routing import RoutingSummary, accumulate, normalized_mutual_information, summarize
 
-__all__ = ["ParamRow", "count_parameters", "parameter_table"]
+__all__ = [
+    "ParamRow",
+    "RoutingSummary",
+    "accumulate",
+    "count_parameters",
+    "normalized_mutual_information",
+    "parameter_table",
+    "summarize",
+]

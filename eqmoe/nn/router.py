@@ -148,11 +148,17 @@ class RouterStats(NamedTuple):
     top1_balance: Float[Array, "*layers"]  # AXLearn: E^2 * mean_{groups, e}(top-1 fraction * P)
     sequence_balance: Float[Array, "*layers"]  # MaxText: E^2 * mean_{batch, e}(density * P)
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
+    entropy_sum: Float[Array, "*layers"]  # sum over tokens of the router distribution's entropy (nats)
 
     @property
     def load(self) -> Float[Array, "*layers experts"]:
         """Fraction of the routed assignments each expert received (sums to 1 per layer)."""
         return self.expert_counts / jnp.maximum(self.expert_counts.sum(-1, keepdims=True), 1.0)
+
+    @property
+    def entropy(self) -> Float[Array, "*layers"]:
+        """Mean per-token entropy of the router probabilities, in nats (``log E`` = uniform)."""
+        return self.entropy_sum / jnp.maximum(self.num_tokens, 1.0)
 
     @property
     def dropped_fraction(self) -> Float[Array, "*layers"]:
@@ -188,6 +194,8 @@ def router_stats(routing: Routing, token_mask: Bool[Array, "batch seq"], num_gro
 
     dropped = jnp.sum((~routing.kept) * valid[:, None])
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows
+    log_probs = jax.nn.log_softmax(routing.logits, axis=-1)
+    entropy_sum = jnp.sum(-jnp.sum(routing.probs * log_probs, axis=-1) * valid)
     return RouterStats(
-        expert_counts, prob_sum, num_tokens, dropped, load_balance, top1_balance, sequence_balance, z_loss
+        expert_counts, prob_sum, num_tokens, dropped, load_balance, top1_balance, sequence_balance, z_loss, entropy_sum
     )

@@ -34,6 +34,7 @@ def batch_loss(model: Transformer, batch: Batch) -> tuple[Float[Array, ""], Metr
         load = output.aux.load
         terms["load_cv"] = jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
         terms["load_max_over_mean"] = jnp.mean(jnp.max(load, -1) * load.shape[-1])  # 1 = perfectly balanced
+        terms["router_entropy"] = jnp.mean(output.aux.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
     return loss, terms
 
