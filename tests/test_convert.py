@@ -144,6 +144,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert _convert(capsys, hf=tmp_path / "hf", out=tmp_path / "taken", overwrite=True)[0] == 0
     assert load_model(tmp_path / "taken")[0].config.vocab_size == 97
 
+    save_tiny_hf(tmp_path / "wide", vocab_size=120)
+    capsys.readouterr()
+    assert check_logits.main(check_logits.Args(hf=tmp_path / "wide", checkpoint=tmp_path / "taken")) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary of 97 ids, but" in err and err.count("\n") == 1
+
 
 def test_restoring_a_field_checks_its_layout(tmp_path):
     save_tiny_hf(tmp_path / "hf")
