@@ -12,7 +12,6 @@ when writing HF). Outputs are written under a temporary name and renamed; an exi
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
 """
 
-import errno
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import tyro
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.data import tokenizer_vocab_size
+from experiments._cli import is_expected_failure
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,10 @@ def main(args: Args) -> int:
     start = time.perf_counter()
     try:
         done = run(args)
-    except (UsageError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
-        print(f"convert: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+    except Exception as error:
+        if not (isinstance(error, UsageError) or is_expected_failure(error)):
             raise
-        print(f"convert: {error}", file=sys.stderr)
+        print(f"convert: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     print(f"convert: {done} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -12,7 +12,6 @@ assistant tokens count in the loss. Outputs in ``--out-dir``: ``metrics.jsonl``,
 """
 
 import dataclasses
-import errno
 import math
 import sys
 import time
@@ -44,6 +43,7 @@ from eqmoe.train.logging import MetricsLog, Progress, plot_metrics, write_json_a
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
 from eqmoe.train.state import TrainState, abstract_state, init_state
 from eqmoe.train.step import Batch, eval_step, make_train_step
+from experiments._cli import is_expected_failure
 
 
 @dataclass(frozen=True)
@@ -310,11 +310,8 @@ def _jsonable(value):
 def main(args: Args) -> int:
     try:
         summary = run(args)
-    except (UsageError, ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
-        print(f"sft: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EROFS):
+    except Exception as error:
+        if not (isinstance(error, UsageError) or is_expected_failure(error)):
             raise
         print(f"sft: {error}", file=sys.stderr)
         return 2

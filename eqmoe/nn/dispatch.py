@@ -68,8 +68,9 @@ def block_layout(experts: Int[Array, "tokens top_k"], num_experts: int, block_si
     order = jnp.argsort(flat, stable=True)
     sorted_experts = flat[order]
     group_sizes = jnp.bincount(flat, length=num_experts)
-    padded_ends = jnp.cumsum(-(-group_sizes // block_size) * block_size)
-    padded_starts = padded_ends - (-(-group_sizes // block_size) * block_size)
+    padded_sizes = -(-group_sizes // block_size) * block_size
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
     group_starts = jnp.cumsum(group_sizes) - group_sizes
     sorted_rows = padded_starts[sorted_experts] + jnp.arange(slots) - group_starts[sorted_experts]
     block_starts = jnp.arange(num_blocks) * block_size
