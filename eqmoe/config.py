@@ -92,7 +92,8 @@ class NormConfig:
         _one_of("NormConfig", "stats_dtype", self.stats_dtype, ("float32", "input"))
 
 
-RouterStrategy = Literal["softmax_top_k", "top_k_softmax", "top2_gating"]
+RouterStrategy = Literal["softmax_top_k", "top_k_softmax", "top2_gating", "sigmoid_top_k"]
+_STRATEGIES = ("softmax_top_k", "top_k_softmax", "top2_gating", "sigmoid_top_k")
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,14 @@ class RouterConfig:
       ``renormalize`` (HF Qwen3 ``norm_topk_prob``). ``top_k=1, renormalize=False`` is Switch routing.
     - ``"top_k_softmax"``: the ``top_k`` largest logits, softmax over those only (MaxText).
     - ``"top2_gating"``: AXLearn Top2Gating: softmax, top-2, ``g_i / (g1 + g2 + 1e-9)``.
+    - ``"sigmoid_top_k"``: independent ``sigmoid(logit)`` scores, the ``top_k`` largest, divided by their
+      sum when ``renormalize`` (DeepSeek-V3).
+
+    ``bias_update_rate > 0`` gives the router a per-expert selection bias (aux-loss-free balancing,
+    DeepSeek-V3): experts are chosen by ``score + bias`` but weighted by the score alone, and after
+    every optimizer step the train step moves the bias by ``rate * sign(mean load - load)`` (the bias
+    is not trained by the gradient and not decayed). ``routed_scaling_factor`` multiplies the final
+    combine weights (DeepSeek-V3 uses 2.5 with renormalised sigmoid scores).
 
     ``capacity_factor`` (``None`` = dropless) caps each expert at ``max(1, int(S * factor / E))``
     assignments per group of ``S`` tokens (the batch's tokens split into ``num_groups`` groups); every
@@ -118,13 +127,17 @@ class RouterConfig:
     renormalize: bool = True
     capacity_factor: float | None = None
     num_groups: int = 1
+    bias_update_rate: float = 0.0
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k, num_groups=self.num_groups)
+        _positive("RouterConfig", routed_scaling_factor=self.routed_scaling_factor)
+        _check(self.bias_update_rate >= 0, "RouterConfig", "bias_update_rate", self.bias_update_rate, "a number >= 0")
         _check(
             self.top_k <= self.num_experts, "RouterConfig", "top_k", self.top_k, f"1..num_experts={self.num_experts}"
         )
-        _one_of("RouterConfig", "strategy", self.strategy, ("softmax_top_k", "top_k_softmax", "top2_gating"))
+        _one_of("RouterConfig", "strategy", self.strategy, _STRATEGIES)
         if self.strategy == "top2_gating":
             _check(self.top_k == 2, "RouterConfig", "top_k", self.top_k, "2 with strategy='top2_gating'")
         if self.capacity_factor is not None:

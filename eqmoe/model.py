@@ -51,6 +51,8 @@ class Transformer(eqx.Module):
     - ``positions``: RoPE positions (default ``0..seq-1`` in every row).
     - ``token_mask``: false at padding; those keys are masked out and those tokens excluded from the
       router statistics (HF's ``attention_mask``).
+    - ``token_domains``: a one-hot domain label per token ``[batch, seq, domains]``; the router
+      statistics then carry ``domain_counts`` (for expert-domain mutual information).
     - ``cache``: a :class:`KVCache` for autoregressive decoding. The tokens are written into slots
       ``cache.index ..`` and attend to every earlier filled slot (a query in slot ``p`` sees the valid
       slots ``<= p``); the output carries the updated cache. ``positions`` then defaults to each
@@ -90,6 +92,7 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
         token_mask: Bool[Array, "batch seq"] | None = None,
+        token_domains: Float[Array, "batch seq domains"] | None = None,
         cache: KVCache | None = None,
     ) -> ModelOutput:
         model = self.cast(self.config.dtype)
@@ -99,6 +102,8 @@ class Transformer(eqx.Module):
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids are not supported with a KV cache (decode one document per row)")
+            if token_domains is not None:
+                raise ValueError("token_domains are not supported with a KV cache")
             if cache.valid.shape[0] != batch:
                 raise ValueError(f"the cache holds {cache.valid.shape[0]} rows but tokens has {batch}")
             if len(cache.layers) != len(self.segments):
@@ -122,7 +127,7 @@ class Transformer(eqx.Module):
         layer_stats, layer_caches = [], []
         for index, segment in enumerate(model.segments):
             if cache is None:
-                x, stats = segment(x, cos, sin, mask, token_mask)
+                x, stats = segment(x, cos, sin, mask, token_mask, token_domains)
             else:
                 x, stats, segment_cache = segment.decode(
                     x, cos, sin, mask, token_mask, cache.layers[index], cache.index

@@ -287,6 +287,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         ("attention.rope_layout", config.attention.rope_layout, "half_split"),
         ("moe.router.strategy", moe.router.strategy if moe else "softmax_top_k", "softmax_top_k"),
         ("moe.router.capacity_factor", moe.router.capacity_factor if moe else None, None),
+        ("moe.router.bias_update_rate", moe.router.bias_update_rate if moe else 0.0, 0.0),
+        ("moe.router.routed_scaling_factor", moe.router.routed_scaling_factor if moe else 1.0, 1.0),
         ("norm.stats_dtype", config.norm.stats_dtype, "float32"),
         ("tied_logit_scale", config.tied_logit_scale, "none"),
     ]

@@ -61,9 +61,10 @@ class Block(eqx.Module):
         sin: Float[Array, "batch seq head_dim"],
         mask: Bool[Array, "batch seq seq"],
         token_mask: Bool[Array, "batch seq"],
+        token_domains: Float[Array, "batch seq domains"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         x = x + self.attention(self.attn_norm(x), cos, sin, mask)
-        return self._ffn_residual(x, token_mask)
+        return self._ffn_residual(x, token_mask, token_domains)
 
     def decode(
         self,
@@ -87,11 +88,15 @@ class Block(eqx.Module):
         return x, stats, cache
 
     def _ffn_residual(
-        self, x: Float[Array, "batch seq embed"], token_mask: Bool[Array, "batch seq"], pad_to_groups: bool = False
+        self,
+        x: Float[Array, "batch seq embed"],
+        token_mask: Bool[Array, "batch seq"],
+        token_domains: Float[Array, "batch seq domains"] | None = None,
+        pad_to_groups: bool = False,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         h = self.pre_norm(x) if self.pre_norm is not None else x
         if isinstance(self.ffn, MoE):
-            h, stats = _moe_padded(self.ffn, h, token_mask) if pad_to_groups else self.ffn(h, token_mask)
+            h, stats = _moe_padded(self.ffn, h, token_mask) if pad_to_groups else self.ffn(h, token_mask, token_domains)
         else:
             h, stats = self.ffn(h), None
         if self.placement == "post":

@@ -14,7 +14,8 @@ from eqmoe.nn.router import Router, RouterStats, router_stats
 class MoE(eqx.Module):
     """A routed-expert FFN over all tokens of the batch at once (HF Qwen3MoeSparseMoeBlock).
 
-    Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true.
+    Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true
+    (with per-domain counts when ``token_domains``, one-hot ``[batch, seq, domains]``, is given).
     """
 
     router: Router
@@ -30,7 +31,10 @@ class MoE(eqx.Module):
         self.config = config
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], token_mask: Bool[Array, "batch seq"] | None = None
+        self,
+        x: Float[Array, "batch seq embed"],
+        token_mask: Bool[Array, "batch seq"] | None = None,
+        token_domains: Float[Array, "batch seq domains"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats]:
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
@@ -38,4 +42,5 @@ class MoE(eqx.Module):
             token_mask = jnp.ones((batch, seq), bool)
         routing = self.router(flat, token_mask.reshape(-1))
         y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
-        return y.reshape(batch, seq, embed), router_stats(routing, token_mask, self.config.router.num_groups)
+        stats = router_stats(routing, token_mask, self.config.router.num_groups, token_domains)
+        return y.reshape(batch, seq, embed), stats

@@ -27,34 +27,60 @@ class Routing(NamedTuple):
 
 
 # --- strategies: logits -> (weights, experts) ------------------------------------------------------
+#
+# ``bias`` (aux-loss-free balancing) shifts which experts are chosen, never their weights.
+
+
+def _select(
+    scores: Float[Array, "tokens experts"], top_k: int, bias: Float[Array, " experts"] | None
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """The ``top_k`` experts by ``scores + bias`` and their (unbiased) scores, best first."""
+    if bias is None:
+        weights, experts = jax.lax.top_k(scores, top_k)
+        return weights, experts
+    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias).astype(scores.dtype), top_k)
+    return jnp.take_along_axis(scores, experts, axis=-1), experts
 
 
 def softmax_top_k(
-    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool
+    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool, bias: Float[Array, " experts"] | None = None
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """HF Qwen3MoeTopKRouter: ``p = softmax(logits)`` in float32, the ``top_k`` largest, divided by
     their sum when ``renormalize`` (``norm_topk_prob``). With ``top_k=1`` and no renormalisation this
     is Switch routing: the weight is the raw probability, so the LM loss trains the router."""
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
+    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k, bias)
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, experts
 
 
 def top_k_softmax(
-    logits: Float[Array, "tokens experts"], top_k: int
+    logits: Float[Array, "tokens experts"], top_k: int, bias: Float[Array, " experts"] | None = None
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """MaxText: the ``top_k`` largest logits, softmax over those only. With ``top_k=1`` the weight is
     exactly 1.0, so the router gets no gradient from the LM loss (only from auxiliary losses)."""
-    top_logits, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    top_logits, experts = _select(logits.astype(jnp.float32), top_k, bias)
     return jax.nn.softmax(top_logits, axis=-1), experts
 
 
-def top2_gating(logits: Float[Array, "tokens experts"]) -> tuple[Float[Array, "tokens 2"], Int[Array, "tokens 2"]]:
+def top2_gating(
+    logits: Float[Array, "tokens experts"], bias: Float[Array, " experts"] | None = None
+) -> tuple[Float[Array, "tokens 2"], Int[Array, "tokens 2"]]:
     """AXLearn Top2Gating: ``p = softmax(logits)``; expert 1 = argmax p, expert 2 = argmax of the rest;
     ``g_i = p_i / (p_1 + p_2 + 1e-9)``."""
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2)
+    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2, bias)
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-9), experts
+
+
+def sigmoid_top_k(
+    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool, bias: Float[Array, " experts"] | None = None
+) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """DeepSeek-V3: independent scores ``s = sigmoid(logits)``, the ``top_k`` largest (by ``s + bias``),
+    divided by their sum (plus 1e-20) when ``renormalize``."""
+    weights, experts = _select(jax.nn.sigmoid(logits.astype(jnp.float32)), top_k, bias)
+    if renormalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights, experts
 
 
 # --- capacity ------------------------------------------------------------------------------------------
@@ -88,24 +114,36 @@ def capacity_positions(
 
 
 class Router(eqx.Module):
-    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity."""
+    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity.
+
+    ``bias`` is the aux-loss-free selection bias (float32, zeros at init) when
+    ``config.bias_update_rate > 0``, else ``None``. It is state, not a trained parameter: the optimizer
+    leaves it alone and :func:`eqmoe.train.balance.update_router_biases` moves it after each step.
+    """
 
     weight: Float[Array, "embed experts"]
+    bias: Float[Array, " experts"] | None
     config: RouterConfig = eqx.field(static=True)
 
     def __init__(self, embed_dim: int, config: RouterConfig, *, init: Init, key: PRNGKeyArray):
         self.weight = init.weight(key, (embed_dim, config.num_experts), fan_in=embed_dim)
+        self.bias = jnp.zeros(config.num_experts, jnp.float32) if config.bias_update_rate > 0 else None
         self.config = config
 
     def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
         config = self.config
         logits = (x @ self.weight).astype(jnp.float32)
+        bias = self.bias
         if config.strategy == "softmax_top_k":
-            weights, experts = softmax_top_k(logits, config.top_k, config.renormalize)
+            weights, experts = softmax_top_k(logits, config.top_k, config.renormalize, bias)
         elif config.strategy == "top_k_softmax":
-            weights, experts = top_k_softmax(logits, config.top_k)
+            weights, experts = top_k_softmax(logits, config.top_k, bias)
+        elif config.strategy == "sigmoid_top_k":
+            weights, experts = sigmoid_top_k(logits, config.top_k, config.renormalize, bias)
         else:
-            weights, experts = top2_gating(logits)
+            weights, experts = top2_gating(logits, bias)
+        if config.routed_scaling_factor != 1.0:
+            weights = weights * config.routed_scaling_factor
         if config.capacity_factor is None:
             kept = jnp.broadcast_to(token_mask[:, None], experts.shape)
             positions = jnp.zeros_like(experts)
@@ -149,6 +187,7 @@ class RouterStats(NamedTuple):
     sequence_balance: Float[Array, "*layers"]  # MaxText: E^2 * mean_{batch, e}(density * P)
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
     entropy_sum: Float[Array, "*layers"]  # sum over tokens of the router distribution's entropy (nats)
+    domain_counts: Float[Array, "*layers domains experts"] | None = None  # assignments per token domain
 
     @property
     def load(self) -> Float[Array, "*layers experts"]:
@@ -169,8 +208,17 @@ def _masked_mean(values: Float[Array, "rows items experts"], valid: Float[Array,
     return jnp.sum(values * valid[..., None], axis=1) / jnp.maximum(valid.sum(axis=1), 1.0)[:, None]
 
 
-def router_stats(routing: Routing, token_mask: Bool[Array, "batch seq"], num_groups: int) -> RouterStats:
-    """Statistics of one layer's routing over the tokens where ``token_mask`` is true."""
+def router_stats(
+    routing: Routing,
+    token_mask: Bool[Array, "batch seq"],
+    num_groups: int,
+    token_domains: Float[Array, "batch seq domains"] | None = None,
+) -> RouterStats:
+    """Statistics of one layer's routing over the tokens where ``token_mask`` is true.
+
+    With ``token_domains`` (a one-hot domain label per token) ``domain_counts[d, e]`` counts the top-k
+    assignments of domain ``d``'s tokens to expert ``e`` (before capacity drops).
+    """
     batch, seq = token_mask.shape
     num_experts = routing.probs.shape[-1]
     valid = token_mask.reshape(-1).astype(jnp.float32)
@@ -196,6 +244,19 @@ def router_stats(routing: Routing, token_mask: Bool[Array, "batch seq"], num_gro
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows
     log_probs = jax.nn.log_softmax(routing.logits, axis=-1)
     entropy_sum = jnp.sum(-jnp.sum(routing.probs * log_probs, axis=-1) * valid)
+    domain_counts = None
+    if token_domains is not None:
+        domains = token_domains.reshape(batch * seq, -1).astype(jnp.float32) * valid[:, None]
+        domain_counts = jnp.einsum("td,tke->de", domains, chosen)
     return RouterStats(
-        expert_counts, prob_sum, num_tokens, dropped, load_balance, top1_balance, sequence_balance, z_loss, entropy_sum
+        expert_counts,
+        prob_sum,
+        num_tokens,
+        dropped,
+        load_balance,
+        top1_balance,
+        sequence_balance,
+        z_loss,
+        entropy_sum,
+        domain_counts,
     )

@@ -53,9 +53,10 @@ class RepeatedUnit(eqx.Module):
         sin: Float[Array, "batch seq head_dim"],
         mask: Bool[Array, "batch seq seq"],
         token_mask: Bool[Array, "batch seq"],
+        token_domains: Float[Array, "batch seq domains"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         def run_block(block, x, _):
-            x, stats = block(x, cos, sin, mask, token_mask)
+            x, stats = block(x, cos, sin, mask, token_mask, token_domains)
             return x, stats, None
 
         x, stats, _ = self._run(run_block, x, None)

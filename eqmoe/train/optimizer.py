@@ -8,6 +8,9 @@ One :class:`OptimizerConfig` covers both conventions in use:
 
 ``mup_base_dim`` enables AXLearn's "mup-simple": Adam updates of attention, dense-FFN and expert weights
 are multiplied by ``min(mup_base_dim / embed_dim, 1)``; the router gate, embedding and norms are not.
+
+Router selection biases (aux-loss-free balancing) are not optimised at all: their updates are zero and
+:mod:`eqmoe.train.balance` moves them instead.
 """
 
 from collections.abc import Callable
@@ -127,6 +130,11 @@ def is_mup_scaled(path) -> bool:
     return names[-1] in ("wq", "wk", "wv", "wo") or (names[-1].startswith("w_") and "ffn" in names)
 
 
+def is_router_bias(path) -> bool:
+    """The routers' aux-loss-free selection biases: state moved by ``eqmoe.train.balance``, not trained."""
+    return _names(path)[-2:] == ["router", "bias"]
+
+
 def _mask(params, predicate: Callable[[Any], bool]):
     return jax.tree_util.tree_map_with_path(lambda path, _: predicate(path), params)
 
@@ -168,7 +176,14 @@ def make_optimizer(
     else:
         steps.append(optax.add_decayed_weights(config.weight_decay, decay_mask))
         steps.append(optax.scale_by_learning_rate(schedule))
-    return optax.chain(*steps), schedule
+    optimizer = optax.chain(*steps)
+
+    def labels(tree):  # a function: optax would call a model-shaped label tree (equinox modules are callable)
+        return _mask(tree, lambda path: "state" if is_router_bias(path) else "trained")
+
+    if "state" in jax.tree.leaves(labels(params)):
+        optimizer = optax.multi_transform({"trained": optimizer, "state": optax.set_to_zero()}, labels)
+    return optimizer, schedule
 
 
 def model_params(model: eqx.Module):

@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
+from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
 
 Metrics = dict[str, Float[Array, ""]]
@@ -24,8 +25,11 @@ class Batch(eqx.Module):
     target_mask: Bool[Array, "batch seq"]  # target_mask[b, t]: predicting tokens[b, t] from t - 1 counts
 
 
-def batch_loss(model: Transformer, batch: Batch) -> tuple[Float[Array, ""], Metrics]:
-    """The configured objective on a packed batch (padding, segment id 0, is masked everywhere)."""
+def batch_loss(
+    model: Transformer, batch: Batch
+) -> tuple[Float[Array, ""], tuple[Metrics, Float[Array, "moe_layers experts"] | None]]:
+    """The configured objective on a packed batch (padding, segment id 0, is masked everywhere), its
+    terms and each MoE layer's expert assignment counts (``None`` without MoE layers)."""
     output = model(
         batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=batch.segment_ids != 0
     )
@@ -36,20 +40,25 @@ def batch_loss(model: Transformer, batch: Batch) -> tuple[Float[Array, ""], Metr
         terms["load_max_over_mean"] = jnp.mean(jnp.max(load, -1) * load.shape[-1])  # 1 = perfectly balanced
         terms["router_entropy"] = jnp.mean(output.aux.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
-    return loss, terms
+    return loss, (terms, None if output.aux is None else output.aux.expert_counts)
 
 
 def make_train_step(
     optimizer: optax.GradientTransformation, schedule: optax.Schedule
 ) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
-    """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated."""
+    """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated.
+
+    After the optimizer update, routers with a selection bias are rebalanced from this batch's loads
+    (:func:`eqmoe.train.balance.update_router_biases`)."""
 
     @eqx.filter_jit(donate="all-except-first")
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
-        (_, terms), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch)
+        (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch)
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
+        if expert_counts is not None:
+            model = update_router_biases(model, expert_counts)
         terms["grad_norm"] = optax.tree.norm(grads)
         terms["learning_rate"] = schedule(state.step)
         key = jax.random.fold_in(state.key, state.step)
