@@ -12,7 +12,6 @@ when writing HF). Outputs are written under a temporary name and renamed; an exi
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
 """
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import tyro
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.data import tokenizer_vocab_size
-from experiments._cli import is_expected_failure
+from experiments._cli import UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,6 @@ class Args:
     """With --to-hf: the largest safetensors shard (an index json is written when there are several)."""
     overwrite: bool = False
     """Replace an existing output folder."""
-
-
-class UsageError(Exception):
-    """An expected failure the user can fix: reported as one line, exit code 2."""
 
 
 def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[Path]:
@@ -114,12 +109,8 @@ def run(args: Args) -> str:
 
 def main(args: Args) -> int:
     start = time.perf_counter()
-    try:
-        done = run(args)
-    except Exception as error:
-        if not (isinstance(error, UsageError) or is_expected_failure(error)):
-            raise
-        print(f"convert: {' '.join(str(error).split())}", file=sys.stderr)
+    done = guarded("convert", run, args)
+    if done is None:
         return 2
     print(f"convert: {done} in {time.perf_counter() - start:.1f}s")
     return 0

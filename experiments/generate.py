@@ -28,6 +28,7 @@ import tyro
 from eqmoe.data import ByteTokenizer
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
+from experiments._cli import UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,6 @@ class Args:
 
     dtype: str = "float32"
     """Parameter and compute dtype: float32 | bfloat16 | float16."""
-
-
-class UsageError(Exception):
-    """A problem with the command line or its files, reported as one line and exit code 2."""
 
 
 class Tokenizer:
@@ -168,11 +165,8 @@ def run(args: Args) -> str:
 
 
 def main(args: Args) -> int:
-    try:
-        text = run(args)
-    except (UsageError, OSError, ValueError) as error:
-        message = " ".join(str(error).split())  # hf.load lists every bad tensor on its own line
-        print(f"generate: {message}", file=sys.stderr)
+    text = guarded("generate", run, args)
+    if text is None:
         return 2
     print(text)
     return 0

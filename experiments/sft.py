@@ -12,14 +12,11 @@ assistant tokens count in the loss. Outputs in ``--out-dir``: ``metrics.jsonl``,
 """
 
 import dataclasses
-import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +25,7 @@ import tyro
 from eqmoe import Transformer, presets
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
-from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import ModelConfig, config_from_dict, config_to_dict
+from eqmoe.config import ModelConfig, config_to_dict
 from eqmoe.data import (
     PackedDataset,
     load_jsonl,
@@ -39,11 +35,11 @@ from eqmoe.data import (
     synthetic_split,
     target_mask,
 )
-from eqmoe.train.logging import MetricsLog, Progress, plot_metrics, write_json_atomic
-from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
-from eqmoe.train.state import TrainState, abstract_state, init_state
-from eqmoe.train.step import Batch, eval_step, make_train_step
-from experiments._cli import is_expected_failure
+from eqmoe.train import loop
+from eqmoe.train.logging import plot_metrics, write_json_atomic
+from eqmoe.train.optimizer import OptimizerConfig
+from eqmoe.train.step import Batch, eval_step
+from experiments._cli import UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -79,25 +75,11 @@ class DataOptions:
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    steps: int = 1600
-    """Total optimizer steps of the run (a resumed run continues up to this)."""
+class RunOptions(loop.RunOptions):
     out_dir: Path = Path("runs/sft")
     """Where metrics, plots, checkpoints and the summary go."""
-    resume: bool = False
-    """Continue from the latest checkpoint in --out-dir."""
-    checkpoint_every: int = 400
-    """Save a checkpoint every N steps (and at the end)."""
-    keep_checkpoints: int = 2
-    """How many checkpoints to keep."""
-    eval_every: int = 400
-    """Evaluate on the held-out set every N steps (and at the end)."""
-    log_every: int = 50
-    """Write a metrics.jsonl line and update the progress display every N steps."""
     samples: int = 4
     """Held-out prompts to answer with greedy generation at the end."""
-    seed: int = 0
-    """Seed for the parameters, the built-in data and the data order."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +88,6 @@ class Args:
     data: DataOptions = DataOptions()
     optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=100, decay_steps=1600, weight_decay=0.01)
     run: RunOptions = RunOptions()
-
-
-class UsageError(Exception):
-    """An expected failure the user can fix: reported as one line, exit code 2."""
 
 
 def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tuple[Transformer, ModelConfig]:
@@ -196,8 +174,7 @@ def _samples(model: Transformer, tokenizer, conversations, count: int) -> list[d
 def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     run_options, out_dir = args.run, args.run.out_dir
-    if run_options.steps <= 0:
-        raise UsageError(f"--steps={run_options.steps} is invalid; allowed: a positive number")
+    run_options.check()
     tokenizer = load_tokenizer(args.data.tokenizer)
     model, config = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
     train, held_out, note = _conversations(args.data, run_options.seed)
@@ -210,86 +187,29 @@ def run(args: Args) -> dict:
         file=sys.stderr,
     )
 
-    params = eqx.filter(model, eqx.is_array)
-    optimizer, schedule = make_optimizer(args.optim, params, embed_dim=config.embed_dim)
-    key = jax.random.key(run_options.seed + 1)
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=run_options.keep_checkpoints)
-    latest = checkpointer.latest_step() if run_options.resume else None
-    if run_options.resume and latest is None:
-        print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
-    if latest is not None:
-        target = abstract_state(lambda: model, optimizer, key=key)
-        state, metadata = checkpointer.restore(latest, target)
-        if config_from_dict(metadata.get("config", {})) != config:
-            raise UsageError(f"--resume: the checkpoint in {out_dir} was trained with a different model config")
-        print(f"resumed from step {latest}", file=sys.stderr)
-    else:
-        state = init_state(model, optimizer, key=key)
-    del model
-    start = int(state.step)
-    metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=start if latest is not None else None)
-    train_step = make_train_step(optimizer, schedule)
+    def batch_at(data_step: int):
+        rows = dataset.batch_at(data_step, args.data.batch_size, run_options.seed)
+        return _device_batch(rows), float(np.sum(rows.segment_ids > 0))
 
-    def save(state: TrainState) -> None:
-        step = int(state.step)
-        checkpointer.save(
-            step,
-            state,
-            {
-                "step": step,
-                "data_step": int(state.data_step),
-                "seed": run_options.seed,
-                "config": config_to_dict(config),
-                "tokenizer": None if args.data.tokenizer is None else str(args.data.tokenizer.absolute()),
-            },
-        )
-
-    progress = Progress(run_options.steps, start)
-    window_tokens, window_start, compile_seconds = 0.0, time.perf_counter(), None
-    last_terms: dict[str, float] = {}
-    for step in range(start, run_options.steps):
-        rows = dataset.batch_at(int(state.data_step), args.data.batch_size, run_options.seed)
-        started = time.perf_counter()
-        state, terms = train_step(_device_batch(rows), state)
-        loss = float(terms["loss"])
-        if compile_seconds is None:
-            compile_seconds = time.perf_counter() - started
-            window_start = time.perf_counter()
-        else:
-            window_tokens += float(np.sum(rows.segment_ids > 0))
-        if not math.isfinite(loss):
-            bad = [name for name, value in terms.items() if not math.isfinite(float(value))]
-            raise UsageError(
-                f"step {step + 1}: non-finite {', '.join(bad)}; stopped, the last good checkpoint "
-                f"is step {checkpointer.latest_step()}"
-            )
-        done = step + 1
-        if done % run_options.log_every == 0 or done == run_options.steps:
-            elapsed = max(time.perf_counter() - window_start, 1e-9)
-            last_terms = {name: float(value) for name, value in terms.items()}
-            tokens_per_second = window_tokens / elapsed
-            metrics.write({"step": done, **last_terms, "tokens_per_second": tokens_per_second})
-            progress.update(done, loss, tokens_per_second, last_terms["learning_rate"])
-        if done % run_options.eval_every == 0 and done != run_options.steps:
-            metrics.write({"step": done, **_evaluate(state.model, eval_rows, args.data.batch_size)})
-        if done % run_options.checkpoint_every == 0 or done == run_options.steps:
-            save(state)
-    progress.close()
-    checkpointer.close()
-
-    final_eval = _evaluate(state.model, eval_rows, args.data.batch_size)
-    metrics.write({"step": run_options.steps, **final_eval})
-    records = metrics.records()
-    plot_metrics(records, out_dir / "metrics.png")
-    throughput = [r["tokens_per_second"] for r in records if r.get("tokens_per_second")]
-    samples = _samples(state.model, tokenizer, held_out, run_options.samples) if run_options.samples else []
+    tokenizer_path = None if args.data.tokenizer is None else str(args.data.tokenizer.absolute())
+    result = loop.train(
+        model,
+        args.optim,
+        run_options,
+        batch_at=batch_at,
+        evaluate=lambda model: _evaluate(model, eval_rows, args.data.batch_size),
+        metadata={"tokenizer": tokenizer_path},
+    )
+    model = result.state.model
+    plot_metrics(result.metrics.records(), out_dir / "metrics.png")
+    samples = _samples(model, tokenizer, held_out, run_options.samples) if run_options.samples else []
     summary = {
-        "final_loss": last_terms.get("loss", float("nan")),
-        "eval_loss": final_eval["eval_loss"],
-        "eval_accuracy": final_eval["eval_accuracy"],
+        "final_loss": result.last_terms.get("loss", float("nan")),
+        "eval_loss": result.final_eval["eval_loss"],
+        "eval_accuracy": result.final_eval["eval_accuracy"],
         "steps": run_options.steps,
-        "tokens_per_second": float(np.median(throughput)) if throughput else None,
-        "compile_seconds": compile_seconds,
+        "tokens_per_second": result.tokens_per_second,
+        "compile_seconds": result.compile_seconds,
         "held_out_conversations": len(held_out),
         "samples": samples,
         "config": config_to_dict(config),
@@ -308,12 +228,8 @@ def _jsonable(value):
 
 
 def main(args: Args) -> int:
-    try:
-        summary = run(args)
-    except Exception as error:
-        if not (isinstance(error, UsageError) or is_expected_failure(error)):
-            raise
-        print(f"sft: {error}", file=sys.stderr)
+    summary = guarded("sft", run, args)
+    if summary is None:
         return 2
     for sample in summary["samples"]:
         print(f"  {sample['prompt']!r} -> {sample['generated']!r} (expected {sample['expected']!r})")

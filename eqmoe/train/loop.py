@@ -1,0 +1,150 @@
+"""The training loop every experiment shares: resume, train, log, evaluate, checkpoint.
+
+A run is reproducible from its options alone: the data order depends only on the seed and the
+checkpointed ``data_step``, so a run stopped anywhere and resumed from its last checkpoint takes
+exactly the steps an uninterrupted run takes.
+"""
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from eqmoe.checkpoints.orbax import Checkpointer
+from eqmoe.config import config_from_dict, config_to_dict
+from eqmoe.model import Transformer
+from eqmoe.train.logging import MetricsLog, Progress
+from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
+from eqmoe.train.state import TrainState, abstract_state, init_state
+from eqmoe.train.step import Batch, make_train_step
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = 1600
+    """Total optimizer steps of the run (a resumed run continues up to this)."""
+    out_dir: Path = Path("runs/train")
+    """Where metrics, plots, checkpoints and the summary go."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --out-dir."""
+    checkpoint_every: int = 400
+    """Save a checkpoint every N steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    eval_every: int = 400
+    """Evaluate on the held-out set every N steps (and at the end)."""
+    log_every: int = 50
+    """Write a metrics.jsonl line and update the progress display every N steps."""
+    seed: int = 0
+    """Seed for the parameters, the built-in data and the data order."""
+
+    def check(self) -> None:
+        """A ``ValueError`` naming the first option that is not a positive number."""
+        for name in ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={value} is invalid; allowed: a positive number")
+
+
+class TrainResult(NamedTuple):
+    state: TrainState
+    metrics: MetricsLog
+    last_terms: dict[str, float]  # the last logged training terms
+    final_eval: dict[str, float]
+    tokens_per_second: float | None  # median over the logged windows (the first, compiling step excluded)
+    compile_seconds: float | None  # the first step of this process, compilation included
+
+
+def train(
+    model: Transformer,
+    optimizer_config: OptimizerConfig,
+    options: RunOptions,
+    *,
+    batch_at: Callable[[int], tuple[Batch, float]],
+    evaluate: Callable[[Transformer], dict[str, float]],
+    metadata: dict,
+) -> TrainResult:
+    """Train ``model`` for ``options.steps`` steps (from the latest checkpoint with ``options.resume``).
+
+    **Arguments:**
+
+    - ``batch_at(data_step)``: the device batch at that loader position and its count of real tokens.
+    - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
+      at the end.
+    - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
+
+    Raises ``FloatingPointError`` naming the step and the non-finite terms (the last checkpoint is kept),
+    and ``ValueError`` when resuming a run trained with a different model config.
+    """
+    options.check()
+    config, out_dir = model.config, options.out_dir
+    optimizer, schedule = make_optimizer(optimizer_config, eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
+    key = jax.random.key(options.seed + 1)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
+    latest = checkpointer.latest_step() if options.resume else None
+    if options.resume and latest is None:
+        print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
+    if latest is not None:
+        state, stored = checkpointer.restore(latest, abstract_state(lambda: model, optimizer, key=key))
+        if config_from_dict(stored.get("config", {})) != config:
+            raise ValueError(f"--resume: the checkpoint in {out_dir} was trained with a different model config")
+        print(f"resumed from step {latest}", file=sys.stderr)
+    else:
+        state = init_state(model, optimizer, key=key)
+    del model
+    start = int(state.step)
+    metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=start if latest is not None else None)
+    train_step = make_train_step(optimizer, schedule)
+
+    def save(state: TrainState) -> None:
+        step = int(state.step)
+        stored = {"step": step, "data_step": int(state.data_step), "seed": options.seed}
+        checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
+
+    progress = Progress(options.steps, start)
+    window_tokens, window_start, compile_seconds = 0.0, time.perf_counter(), None
+    last_terms: dict[str, float] = {}
+    throughput = []
+    for step in range(start, options.steps):
+        batch, tokens = batch_at(int(state.data_step))
+        started = time.perf_counter()
+        state, terms = train_step(batch, state)
+        loss = float(terms["loss"])
+        if compile_seconds is None:
+            compile_seconds = time.perf_counter() - started
+            window_start = time.perf_counter()
+        else:
+            window_tokens += tokens
+        if not math.isfinite(loss):
+            bad = [name for name, value in terms.items() if not math.isfinite(float(value))]
+            checkpointer.close()
+            raise FloatingPointError(
+                f"step {step + 1}: non-finite {', '.join(bad)}; stopped, the last good checkpoint "
+                f"is step {checkpointer.latest_step()}"
+            )
+        done = step + 1
+        if done % options.log_every == 0 or done == options.steps:
+            elapsed = max(time.perf_counter() - window_start, 1e-9)
+            last_terms = {name: float(value) for name, value in terms.items()}
+            tokens_per_second = window_tokens / elapsed
+            if window_tokens:
+                throughput.append(tokens_per_second)
+            metrics.write({"step": done, **last_terms, "tokens_per_second": tokens_per_second})
+            progress.update(done, loss, tokens_per_second, last_terms["learning_rate"])
+        if done % options.eval_every == 0 and done != options.steps:
+            metrics.write({"step": done, **evaluate(state.model)})
+        if done % options.checkpoint_every == 0 or done == options.steps:
+            save(state)
+    progress.close()
+    checkpointer.close()
+    final_eval = evaluate(state.model)
+    metrics.write({"step": options.steps, **final_eval})
+    median = float(np.median(throughput)) if throughput else None
+    return TrainResult(state, metrics, last_terms, final_eval, median, compile_seconds)
