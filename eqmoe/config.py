@@ -336,3 +336,68 @@ def config_from_dict(values: dict) -> ModelConfig:
         )
     except (KeyError, TypeError) as error:
         raise ValueError(f"not a ModelConfig dictionary: {error}") from None
+
+
+def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelConfig:
+    """``config`` with dotted fields replaced, e.g. ``{"moe.router.top_k": 1, "norm.ffn_placement": "post"}``.
+
+    Each value is checked against its field's type (JSON lists become tuples, integers are accepted for
+    floats); then the new config is validated as a whole, so the order of the overrides never matters.
+    A ``ValueError`` names the override at fault.
+    """
+    import typing
+
+    from beartype.door import is_bearable
+
+    values = config_to_dict(config)
+    for path, value in overrides.items():
+        owner, parent, names = config, values, path.split(".")
+        for depth, name in enumerate(names):
+            if not dataclasses.is_dataclass(owner):
+                raise ValueError(f"override {path!r}: {'.'.join(names[:depth])} is not a config ({owner!r})")
+            fields = sorted(f.name for f in dataclasses.fields(owner))
+            if name not in fields:
+                raise ValueError(
+                    f"override {path!r}: {type(owner).__name__} has no field {name!r}; fields: {', '.join(fields)}"
+                )
+            if depth < len(names) - 1:
+                owner, parent = getattr(owner, name), parent[name]
+        expected = typing.get_type_hints(type(owner))[names[-1]]
+        value = tuple(value) if isinstance(value, list) else value
+        if isinstance(value, int) and not isinstance(value, bool) and not is_bearable(value, expected):
+            value = float(value)
+        if not is_bearable(value, expected):
+            raise ValueError(f"override {path}={value!r}: not a valid {expected}")
+        parent[names[-1]] = value
+    try:
+        return config_from_dict(values)
+    except ValueError as error:
+        raise ValueError(f"overrides {overrides!r}: {error}") from None
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``"moe.router.top_k=1"`` -> ``("moe.router.top_k", 1)``: the value is JSON when it parses as JSON
+    (numbers, ``true``, ``null``, lists, quoted strings) and the bare text otherwise."""
+    import json
+
+    path, equals, raw = text.partition("=")
+    if not equals or not path.strip():
+        raise ValueError(f"override {text!r} is invalid; allowed: FIELD.PATH=VALUE, e.g. moe.router.top_k=1")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return path.strip(), value
+
+
+def format_override(path: str, value: object) -> str:
+    """The ``FIELD.PATH=VALUE`` text that :func:`parse_override` reads back as ``(path, value)``."""
+    import json
+
+    text = json.dumps(value)
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError:
+            text = value  # reads back as itself: no quotes needed
+    return f"{path}={text}"

@@ -33,12 +33,11 @@ from eqmoe.data import (
     pack_conversations,
     prompt_ids,
     synthetic_split,
-    target_mask,
 )
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
-from eqmoe.train.step import Batch, eval_step
+from eqmoe.train.step import eval_step
 from experiments._cli import UsageError, guarded
 
 
@@ -125,15 +124,6 @@ def _conversations(options: DataOptions, seed: int):
     return train, held_out, note
 
 
-def _device_batch(rows) -> Batch:
-    return Batch(
-        tokens=jnp.asarray(rows.tokens),
-        segment_ids=jnp.asarray(rows.segment_ids),
-        positions=jnp.asarray(rows.positions),
-        target_mask=jnp.asarray(target_mask(rows)),
-    )
-
-
 def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
     """Token-weighted eval loss and exact match over every held-out row (padded to whole batches)."""
     totals: dict[str, float] = {}
@@ -141,7 +131,7 @@ def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
     for start in range(0, count, batch_size):
         index = np.arange(start, start + batch_size) % count
         chunk = type(rows)(*(np.where((np.arange(batch_size) + start < count)[:, None], a[index], 0) for a in rows))
-        terms = {k: float(v) for k, v in eval_step(model, _device_batch(chunk)).items()}
+        terms = {k: float(v) for k, v in eval_step(model, device_batch(chunk)).items()}
         weight = terms["target_tokens"]
         for name in ("loss", "cross_entropy"):
             totals[name] = totals.get(name, 0.0) + terms[name] * weight
@@ -189,7 +179,7 @@ def run(args: Args) -> dict:
 
     def batch_at(data_step: int):
         rows = dataset.batch_at(data_step, args.data.batch_size, run_options.seed)
-        return _device_batch(rows), float(np.sum(rows.segment_ids > 0))
+        return device_batch(rows), float(np.sum(rows.segment_ids > 0))
 
     tokenizer_path = None if args.data.tokenizer is None else str(args.data.tokenizer.absolute())
     result = loop.train(

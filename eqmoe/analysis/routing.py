@@ -21,6 +21,7 @@ class RoutingSummary(NamedTuple):
     max_min_ratio: np.ndarray  # most over least loaded expert (inf when an expert received nothing)
     dropped_fraction: np.ndarray  # assignments dropped by capacity over all assignments
     entropy: np.ndarray  # mean per-token router entropy over log(num_experts) (1 = uniform router)
+    domain_nmi: np.ndarray | None = None  # normalised expert-domain mutual information (with domain labels)
 
 
 def accumulate(total: RouterStats | None, stats: RouterStats) -> RouterStats:
@@ -40,6 +41,9 @@ def summarize(stats: RouterStats) -> RoutingSummary:
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(least > 0, most / np.where(least > 0, least, 1.0), np.inf)
     tokens = np.maximum(np.asarray(stats.num_tokens, np.float64), 1.0)
+    domain_nmi = None
+    if stats.domain_counts is not None:
+        domain_nmi = np.asarray([normalized_mutual_information(table) for table in np.asarray(stats.domain_counts)])
     return RoutingSummary(
         load=load,
         load_cv=load.std(-1) / np.maximum(mean, 1e-12),
@@ -48,6 +52,7 @@ def summarize(stats: RouterStats) -> RoutingSummary:
         entropy=np.asarray(stats.entropy_sum, np.float64) / tokens / np.log(num_experts)
         if num_experts > 1
         else 0 * tokens,
+        domain_nmi=domain_nmi,
     )
 
 

@@ -50,6 +50,7 @@ class Packed(NamedTuple):
     rows: Batch
     num_conversations: int
     too_long: int
+    labels: Int32[np.ndarray, "batch seq"] | None = None  # each item's label on its tokens, -1 on padding
 
     @property
     def fill(self) -> float:
@@ -58,15 +59,24 @@ class Packed(NamedTuple):
 
 
 def pack(
-    encoded: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, overflow: Overflow = "skip"
+    encoded: Sequence[tuple[np.ndarray, np.ndarray]],
+    seq_len: int,
+    pad_id: int,
+    overflow: Overflow = "skip",
+    labels: Sequence[int] | None = None,
 ) -> Packed:
-    """Pack ``(ids, loss_mask)`` pairs (from :func:`~eqmoe.data.chat.encode_chat`) into rows of ``seq_len``."""
+    """Pack ``(ids, loss_mask)`` pairs (from :func:`~eqmoe.data.chat.encode_chat`) into rows of ``seq_len``.
+
+    With ``labels`` (one integer per item, such as a domain) ``Packed.labels`` carries each item's label
+    on its tokens and -1 on padding."""
+    if labels is not None and len(labels) != len(encoded):
+        raise ValueError(f"labels: {len(labels)} given for {len(encoded)} items")
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len} is invalid; allowed: a positive number")
     if overflow not in ("skip", "truncate"):
         raise ValueError(f"overflow={overflow!r} is invalid; allowed: skip | truncate")
     room = np.zeros(len(encoded), np.int64)  # free tokens of each open row
-    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    rows: list[list[tuple[np.ndarray, np.ndarray, int]]] = []
     too_long = 0
     for i, (ids, mask) in enumerate(encoded):
         ids, mask = np.asarray(ids), np.asarray(mask, bool)
@@ -84,7 +94,7 @@ def pack(
         if row == len(rows):
             rows.append([])
             room[row] = seq_len
-        rows[row].append((ids, mask))
+        rows[row].append((ids, mask, -1 if labels is None else int(labels[i])))
         room[row] -= len(ids)
     if not rows:
         why = f"all {too_long} are longer than seq_len={seq_len}" if too_long else "every one is empty"
@@ -95,16 +105,19 @@ def pack(
     segment_ids = np.zeros(shape, np.int32)
     positions = np.zeros(shape, np.int32)
     loss_mask = np.zeros(shape, bool)
+    item_labels = np.full(shape, -1, np.int32)
     for r, docs in enumerate(rows):
         start = 0
-        for segment, (ids, mask) in enumerate(docs, start=1):
+        for segment, (ids, mask, label) in enumerate(docs, start=1):
             end = start + len(ids)
             tokens[r, start:end] = ids
             segment_ids[r, start:end] = segment
             positions[r, start:end] = np.arange(len(ids))
             loss_mask[r, start:end] = mask
+            item_labels[r, start:end] = label
             start = end
-    return Packed(Batch(tokens, segment_ids, positions, loss_mask), sum(map(len, rows)), too_long)
+    rows_out = Batch(tokens, segment_ids, positions, loss_mask)
+    return Packed(rows_out, sum(map(len, rows)), too_long, None if labels is None else item_labels)
 
 
 def pack_conversations(

@@ -79,7 +79,8 @@ class Progress:
 
 
 def plot_metrics(records: list[dict], path: Path) -> None:
-    """``metrics.png``: training and eval loss, eval accuracy and expert-load balance over steps."""
+    """``metrics.png``: training and eval loss, then whichever of held-out exact match, expert-load
+    balance and expert-domain mutual information the records carry, over steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,23 +88,38 @@ def plot_metrics(records: list[dict], path: Path) -> None:
 
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = [
+        (name, title, source)
+        for name, title, source in (
+            ("eval_accuracy", "held-out exact match", evals),
+            ("load_cv", "expert load: coefficient of variation (0 = uniform)", train),
+            ("eval_domain_nmi", "expert-domain mutual information (normalised)", evals),
+        )
+        if any(name in r for r in source)
+    ]
+    figure, axes = plt.subplots(1, 1 + len(panels), figsize=(5 * (1 + len(panels)), 4), squeeze=False)
+    axes = axes[0]
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     axes[0].set_xlabel("step")
     axes[0].set_yscale("log")
     axes[0].legend()
-    accuracy = [r for r in evals if "eval_accuracy" in r]
-    axes[1].plot([r["step"] for r in accuracy], [r["eval_accuracy"] for r in accuracy], "o-")
-    axes[1].set_ylim(0, 1)
-    axes[1].set_title("held-out exact match")
-    axes[1].set_xlabel("step")
-    balanced = [r for r in train if "load_cv" in r]
-    axes[2].plot([r["step"] for r in balanced], [r["load_cv"] for r in balanced])
-    axes[2].set_title("expert load: coefficient of variation (0 = uniform)")
-    axes[2].set_xlabel("step")
-    figure.tight_layout()
-    temporary = path.with_name(f".{path.name}.tmp.png")
+    for axis, (name, title, source) in zip(axes[1:], panels, strict=True):
+        kept = [r for r in source if name in r]
+        axis.plot([r["step"] for r in kept], [r[name] for r in kept], "o-" if source is evals else "-")
+        if name in ("eval_accuracy", "eval_domain_nmi"):
+            axis.set_ylim(0, 1)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+    save_figure(figure, path)
+
+
+def save_figure(figure, path: Path) -> None:
+    """Save a matplotlib figure to ``path`` through a temporary file and close it."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp{path.suffix}")
     figure.savefig(temporary, dpi=100)
     plt.close(figure)
     os.replace(temporary, path)

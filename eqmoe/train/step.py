@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from eqmoe.data import packing
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
+from eqmoe.nn.router import RouterStats
 from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
 
@@ -23,6 +25,16 @@ class Batch(eqx.Module):
     segment_ids: Int[Array, "batch seq"]
     positions: Int[Array, "batch seq"]
     target_mask: Bool[Array, "batch seq"]  # target_mask[b, t]: predicting tokens[b, t] from t - 1 counts
+
+
+def device_batch(rows: packing.Batch) -> Batch:
+    """Packed NumPy rows as a device :class:`Batch`, with the next-token target mask."""
+    return Batch(
+        tokens=jnp.asarray(rows.tokens),
+        segment_ids=jnp.asarray(rows.segment_ids),
+        positions=jnp.asarray(rows.positions),
+        target_mask=jnp.asarray(packing.target_mask(rows)),
+    )
 
 
 def batch_loss(
@@ -84,6 +96,24 @@ def exact_match_counts(logits: Float[Array, "batch seq vocab"], batch: Batch) ->
     targets_per_doc = jnp.zeros((segments.shape[0], slots), jnp.int32).at[rows, segments].add(targets)
     has_targets = (targets_per_doc > 0).at[:, 0].set(False)
     return jnp.sum(has_targets & (wrong_per_doc == 0)), jnp.sum(has_targets)
+
+
+@eqx.filter_jit
+def routing_eval_step(
+    model: Transformer, batch: Batch, token_domains: Float[Array, "batch seq domains"] | None = None
+) -> tuple[Metrics, RouterStats | None]:
+    """The loss terms on a batch, without gradients, and the router statistics of every MoE layer (with
+    per-domain assignment counts when ``token_domains``, one-hot per token, is given)."""
+    output = model(
+        batch.tokens,
+        segment_ids=batch.segment_ids,
+        positions=batch.positions,
+        token_mask=batch.segment_ids != 0,
+        token_domains=token_domains,
+    )
+    _, terms = objective(output, batch.tokens, batch.target_mask, model.config)
+    terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
+    return terms, output.aux
 
 
 @eqx.filter_jit
