@@ -207,9 +207,11 @@ def plot_results(results: dict, out_dir: Path) -> None:
 
     variants = results["variants"]
     figure, axis = plt.subplots(figsize=(9, 5.5))
-    for name, row in variants.items():
+    colors = plt.get_cmap("tab20").colors
+    for number, (name, row) in enumerate(variants.items()):
         curve = np.asarray(row["eval_curve"])
-        axis.plot(curve[:, 0], curve[:, 1], "o-" if name == "baseline" else ".-", label=name, markersize=4)
+        style = "o-" if name == "baseline" else (".-" if number % 2 else ".--")
+        axis.plot(curve[:, 0], curve[:, 1], style, label=name, markersize=4, color=colors[number % len(colors)])
     axis.set_xlabel("tokens seen")
     axis.set_ylabel("eval loss (nats/token)")
     axis.set_yscale("log")
@@ -225,7 +227,8 @@ def plot_results(results: dict, out_dir: Path) -> None:
         axis.set_yticks(range(len(names)), names, fontsize=8)
         axis.set_xticks(range(table.shape[1]), [f"MoE {i}" for i in range(table.shape[1])])
         for (i, j), value in np.ndenumerate(table):
-            axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="tab:blue")
+            shade = "white" if value > 0.6 * table.max() else "black"
+            axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color=shade)
         figure.colorbar(image, label="load CV (0 = uniform)")
         axis.set_title("expert load imbalance per variant and layer")
         figure.tight_layout()
