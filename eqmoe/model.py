@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from eqmoe import parallel
 from eqmoe.config import ModelConfig
 from eqmoe.nn.attention import LayerCache, attention_mask
 from eqmoe.nn.block import model_init
@@ -123,7 +124,7 @@ class Transformer(eqx.Module):
 
         attn = self.config.attention
         cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout)
-        x = model.embed[tokens]
+        x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
         layer_stats, layer_caches = [], []
         for index, segment in enumerate(model.segments):
             if cache is None:
@@ -142,6 +143,7 @@ class Transformer(eqx.Module):
             logits = x @ model.embed.T
             if self.config.tied_logit_scale == "rsqrt_embed":
                 logits = logits * self.config.embed_dim**-0.5
+        logits = parallel.constrain_activation(logits, ("batch", "seq", "vocab"))
         aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_stats) if layer_stats else None
         if cache is None:
             return ModelOutput(logits, aux)

@@ -5,14 +5,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from eqmoe import parallel
 from eqmoe.config import MoEConfig
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
+from eqmoe.nn.expert_parallel import expert_parallel
 from eqmoe.nn.router import Router, RouterStats, router_stats
 
 
 class MoE(eqx.Module):
     """A routed-expert FFN over all tokens of the batch at once (HF Qwen3MoeSparseMoeBlock).
+
+    On a mesh with an ``expert`` axis the dropless path runs with expert parallelism
+    (:mod:`eqmoe.nn.expert_parallel`); capacity routing is left to XLA's SPMD partitioner.
 
     Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true
     (with per-domain counts when ``token_domains``, one-hot ``[batch, seq, domains]``, is given).
@@ -41,6 +46,11 @@ class MoE(eqx.Module):
         if token_mask is None:
             token_mask = jnp.ones((batch, seq), bool)
         routing = self.router(flat, token_mask.reshape(-1))
-        y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
+        parallelism = parallel.current()
+        dropless = self.config.router.capacity_factor is None and self.config.dispatch != "dense"
+        if dropless and parallelism is not None and parallelism.size("expert") > 1:
+            y = expert_parallel(flat, routing, self.experts, self.config, parallelism)
+        else:
+            y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
         stats = router_stats(routing, token_mask, self.config.router.num_groups, token_domains)
         return y.reshape(batch, seq, embed), stats

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from eqmoe import parallel
 from eqmoe.data import packing
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
@@ -75,7 +76,7 @@ def make_train_step(
         terms["learning_rate"] = schedule(state.step)
         key = jax.random.fold_in(state.key, state.step)
         new_state = TrainState(model, opt_state, state.step + 1, state.data_step + 1, key)
-        return new_state, terms
+        return parallel.constrain(new_state), terms
 
     return train_step
 

@@ -1,0 +1,286 @@
+"""Running on a device mesh with JAX's own SPMD engine: meshes, logical axes and the rules between them.
+
+A mesh has up to four named axes, ``data``, ``fsdp``, ``expert`` and ``tensor`` (``--mesh
+data=2,expert=4``). Every parameter and activation dimension has a logical name (``embed``, ``vocab``,
+``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``expert_mlp``, ``experts``, ``layers``, ``batch``,
+``seq``); :data:`DEFAULT_RULES` maps each to the mesh axes it is split over:
+
+===========  ======================  ============================================================
+logical      mesh axes               why
+===========  ======================  ============================================================
+batch        data, fsdp, expert      every device holds a different slice of the tokens
+embed        fsdp                    FSDP: parameters split over fsdp, gathered where used
+vocab        tensor                  tensor parallelism of the embedding and the output head
+heads        tensor                  attention heads split over tensor
+kv_heads     tensor
+mlp          tensor                  dense FFN width
+expert_mlp   tensor                  each expert's width
+experts      expert                  expert parallelism: each device holds E / expert experts
+===========  ======================  ============================================================
+
+Everything else (``layers``, ``head_dim``, ``seq``, norm scales, the router) is replicated. A dimension
+whose size the mesh axes do not divide is replicated instead. Rules are overridable
+(``--rules embed=,experts=expert``: an empty right side replicates).
+
+The model code stays mesh-free: :func:`activate` makes a mesh current (``jax.set_mesh``) and the few
+places that need it ask :func:`current` (the expert-parallel MoE path, the sharding constraints).
+"""
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "seq": (),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "expert_mlp": ("tensor",),
+    "experts": ("expert",),
+    "layers": (),
+}
+Logical = tuple[str | None, ...]
+
+
+def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
+    """``"data=2,expert=4"`` -> ``{"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}``. Axes not named are 1;
+    one axis may be ``-1``, the devices left over. The sizes must multiply to ``device_count``."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    named = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, equals, value = part.partition("=")
+        name = name.strip()
+        if not equals or name not in MESH_AXES:
+            raise ValueError(f"--mesh {spec!r}: {part!r} is invalid; allowed: AXIS=SIZE with AXIS one of {MESH_AXES}")
+        if name in named:
+            raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh {spec!r}: size {value!r} of {name} is not an integer") from None
+        if size == 0 or size < -1:
+            raise ValueError(f"--mesh {spec!r}: size {size} of {name} is invalid; allowed: a positive integer or -1")
+        sizes[name] = size
+        named.add(name)
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ValueError(f"--mesh {spec!r}: only one axis may be -1")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if device_count % known:
+            raise ValueError(f"--mesh {spec!r}: {known} does not divide the {device_count} devices")
+        sizes[rest[0]] = device_count // known
+    if math.prod(sizes.values()) != device_count:
+        raise ValueError(
+            f"--mesh {spec!r}: {math.prod(sizes.values())} devices named but {device_count} are present "
+            "(use -1 on one axis for the rest)"
+        )
+    return sizes
+
+
+def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
+    """``"embed=,experts=expert+tensor"`` -> the default rules with those entries replaced (an empty right
+    side replicates; ``+`` joins mesh axes)."""
+    rules = dict(DEFAULT_RULES)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, equals, value = part.partition("=")
+        if not equals or name.strip() not in DEFAULT_RULES:
+            raise ValueError(
+                f"--rules {text!r}: {part!r} is invalid; allowed: LOGICAL=AXIS[+AXIS] with LOGICAL one of "
+                f"{', '.join(DEFAULT_RULES)}"
+            )
+        axes = tuple(a.strip() for a in value.split("+") if a.strip())
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"--rules {text!r}: unknown mesh axis {unknown[0]!r}; allowed: {', '.join(MESH_AXES)}")
+        rules[name.strip()] = axes
+    return rules
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A mesh and the rules mapping logical axis names to its axes."""
+
+    mesh: Mesh
+    rules: dict[str, tuple[str, ...]]
+
+    def size(self, axis: str) -> int:
+        return int(self.mesh.shape.get(axis, 1))
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that ``logical`` is split over."""
+        return tuple(a for a in self.rules.get(logical, ()) if self.size(a) > 1) if logical else ()
+
+    def spec(self, logical: Logical, shape: tuple[int, ...] | None = None) -> PartitionSpec:
+        """The ``PartitionSpec`` of an array with these logical axes. With ``shape``, a dimension the mesh
+        axes do not divide is replicated; a mesh axis is used by the first dimension that asks for it."""
+        used: set[str] = set()
+        parts = []
+        for dim, name in enumerate(logical):
+            axes = tuple(a for a in self.mesh_axes(name) if a not in used)
+            if shape is not None and shape[dim] % math.prod(self.size(a) for a in axes):
+                axes = ()
+            used.update(axes)
+            parts.append(axes[0] if len(axes) == 1 else (axes or None))
+        return PartitionSpec(*parts)
+
+    def sharding(self, logical: Logical, shape: tuple[int, ...] | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+
+def make_parallelism(mesh: str, rules: str = "", devices: list | None = None) -> Parallelism:
+    """A :class:`Parallelism` over ``devices`` (default: every device of every process)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(mesh, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    device_mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return Parallelism(device_mesh, parse_rules(rules))
+
+
+_ACTIVE: list[Parallelism] = []
+
+
+@contextlib.contextmanager
+def activate(parallelism: Parallelism | None) -> Iterator[Parallelism | None]:
+    """Make ``parallelism`` current (and its mesh JAX's) inside the block; ``None`` does nothing."""
+    if parallelism is None:
+        yield None
+        return
+    _ACTIVE.append(parallelism)
+    try:
+        with jax.set_mesh(parallelism.mesh):
+            yield parallelism
+    finally:
+        _ACTIVE.pop()
+
+
+def current() -> Parallelism | None:
+    """The parallelism made current by :func:`activate`, or ``None`` (single device)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+# --- logical axes of parameters ------------------------------------------------------------------------
+
+_NAMED: dict[str, Logical] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+}
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", "")))) for key in path]
+
+
+def param_axes(path, shape: tuple[int, ...]) -> Logical:
+    """The logical axes of a parameter (or of optimizer state shaped like one) from its pytree path.
+
+    Leaves stacked by ``filter_vmap`` carry extra leading ``layers`` axes. Norm scales, the router and
+    anything unrecognised (step counters, keys) are replicated.
+    """
+    names = _names(path)
+    last = names[-1] if names else ""
+    if "experts" in names and last in ("w_gate", "w_up"):
+        base: Logical = ("experts", "embed", "expert_mlp")
+    elif "experts" in names and last == "w_down":
+        base = ("experts", "expert_mlp", "embed")
+    elif "router" in names and last == "weight":
+        base = ("embed", None)
+    elif "ffn" in names and last in ("w_gate", "w_up"):
+        base = ("embed", "mlp")
+    elif "ffn" in names and last == "w_down":
+        base = ("mlp", "embed")
+    elif last in _NAMED:
+        base = _NAMED[last]
+    else:
+        return (None,) * len(shape)
+    if len(shape) < len(base):
+        return (None,) * len(shape)
+    return ("layers",) * (len(shape) - len(base)) + base
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+
+
+def tree_shardings(tree: Any, parallelism: Parallelism) -> Any:
+    """A ``NamedSharding`` for every array leaf of ``tree`` (a model, a train state, its abstract shape);
+    ``None`` for the other leaves."""
+
+    def sharding(path, leaf):
+        if not _is_array(leaf):
+            return None
+        shape = tuple(leaf.shape)
+        return parallelism.sharding(param_axes(path, shape), shape)
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def shard(tree: Any, parallelism: Parallelism | None) -> Any:
+    """``tree`` with every array leaf placed by :func:`tree_shardings` (unchanged without a parallelism)."""
+    if parallelism is None:
+        return tree
+    shardings = tree_shardings(tree, parallelism)
+    return jax.tree.map(lambda leaf, s: leaf if s is None else jax.device_put(leaf, s), tree, shardings)
+
+
+def abstract_sharded(tree: Any, parallelism: Parallelism) -> Any:
+    """``tree``'s array leaves as ``jax.ShapeDtypeStruct`` carrying their sharding: a restore target that
+    places a checkpoint straight onto the mesh, whatever mesh it was saved from."""
+    shardings = tree_shardings(tree, parallelism)
+    return jax.tree.map(
+        lambda leaf, s: leaf if s is None else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+        tree,
+        shardings,
+    )
+
+
+def constrain(tree: Any) -> Any:
+    """Inside ``jit``: pin every array leaf of ``tree`` to its rule sharding (no-op without a parallelism)."""
+    parallelism = current()
+    if parallelism is None:
+        return tree
+    shardings = tree_shardings(tree, parallelism)
+    return jax.tree.map(
+        lambda leaf, s: leaf if s is None else jax.lax.with_sharding_constraint(leaf, s), tree, shardings
+    )
+
+
+def constrain_activation(x: jax.Array, logical: Logical) -> jax.Array:
+    """Inside ``jit``: pin an activation to the sharding of its logical axes (no-op without a parallelism)."""
+    parallelism = current()
+    if parallelism is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, parallelism.sharding(logical, tuple(x.shape)))
+
+
+def global_batch(local_rows: np.ndarray, parallelism: Parallelism | None, logical: Logical = ("batch", "seq")):
+    """A global array from this process's rows of the batch (rows split over processes in order), sharded by
+    ``logical``; on one device just the array."""
+    if parallelism is None:
+        return jax.numpy.asarray(local_rows)
+    sharding = parallelism.sharding(logical)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(local_rows))
+
+
+def replicated_batch(rows: np.ndarray, parallelism: Parallelism | None, logical: Logical = ("batch", "seq")):
+    """A global array of ``rows``, which every process holds in full (held-out data), sharded by ``logical``."""
+    if parallelism is None:
+        return jax.numpy.asarray(rows)
+    rows = np.asarray(rows)
+    sharding = parallelism.sharding(logical, rows.shape)
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
