@@ -109,6 +109,7 @@ def generate(
     top_p: float = 1.0,
     eos_id: int | None = None,
     prompt_mask: Bool[Array, "batch prompt"] | None = None,
+    vocab_limit: int | None = None,
 ) -> Int[Array, "batch total"]:
     """``prompt`` followed by ``max_new_tokens`` generated tokens per row: ``[batch, prompt + new]``.
 
@@ -119,6 +120,8 @@ def generate(
       decoding ends once every row has stopped (the output keeps its full width).
     - ``prompt_mask``: false at padding for a batch of prompts of different lengths, which must be
       left-padded (real tokens at the end of each row); RoPE positions count real tokens only.
+    - ``vocab_limit``: only ids below it are produced (a tokenizer smaller than the model's padded
+      vocabulary: an id it cannot decode is never chosen).
 
     The prompt is processed in one call and each new token in one cached step, all in one compiled
     program (``eqx.filter_jit``), compiled once per model, prompt shape and ``max_new_tokens``:
@@ -137,6 +140,9 @@ def generate(
         raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(seed)")
     if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
         raise ValueError(f"generate: eos_id={eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
+    vocab = model.config.vocab_size
+    if vocab_limit is not None and not 0 < vocab_limit <= vocab:
+        raise ValueError(f"generate: vocab_limit={vocab_limit} must be in 1..{vocab}")
     if prompt_mask is None:
         prompt_mask = jnp.ones(prompt.shape, bool)
     else:
@@ -152,6 +158,7 @@ def generate(
         jnp.asarray(1.0 if greedy else temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),
         jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        jnp.asarray(vocab if vocab_limit is None else vocab_limit, jnp.int32),
         max_new_tokens=max_new_tokens,
     )
 
@@ -176,6 +183,7 @@ def _generate(
     temperature: Float[Array, ""],
     top_p: Float[Array, ""],
     eos_id: Int[Array, ""],
+    vocab_limit: Int[Array, ""],
     *,
     max_new_tokens: int,
 ) -> Int[Array, "batch total"]:
@@ -186,6 +194,7 @@ def _generate(
     model = model.cast(model.config.dtype)  # once, not in every step
 
     def pick(logits, step):
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
         step_key = jax.random.fold_in(key, step)
         return jax.lax.cond(
             greedy,

@@ -28,6 +28,7 @@ places that need it ask :func:`current` (the expert-parallel MoE path, the shard
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,24 @@ def make_parallelism(mesh: str, rules: str = "", devices: list | None = None) ->
     shape = tuple(sizes[a] for a in MESH_AXES)
     device_mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
     return Parallelism(device_mesh, parse_rules(rules))
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
+    """Join a multi-process run (``jax.distributed.initialize``) when a coordinator is given here or in
+    ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``); returns whether it did.
+    Must run before anything touches a JAX device. CPU processes talk through gloo collectives."""
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not coordinator:
+        return False
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    return True
 
 
 _ACTIVE: list[Parallelism] = []
@@ -284,3 +303,15 @@ def replicated_batch(rows: np.ndarray, parallelism: Parallelism | None, logical:
     rows = np.asarray(rows)
     sharding = parallelism.sharding(logical, rows.shape)
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+
+def to_host(tree: Any) -> Any:
+    """Every array leaf as NumPy. A value replicated over processes (a loss, router statistics) is read
+    from this process's copy, so every process can log it."""
+
+    def host(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return np.asarray(leaf.addressable_data(0))
+        return np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf
+
+    return jax.tree.map(host, tree)

@@ -4,7 +4,10 @@ anything else (a bug) keeps its traceback."""
 import errno
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
+
+from eqmoe import parallel
 
 Args = TypeVar("Args")
 Result = TypeVar("Result")
@@ -33,3 +36,24 @@ def guarded(name: str, run: Callable[[Args], Result], args: Args) -> Result | No
             raise
         print(f"{name}: {' '.join(str(error).split())}", file=sys.stderr)
         return None
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    mesh: str | None = None
+    """Device mesh, e.g. data=2,expert=4 or fsdp=-1 (default: one device). Axes: data, fsdp, expert, tensor."""
+    rules: str = ""
+    """Logical-axis rule overrides, e.g. embed=,experts=expert (see eqmoe.parallel.DEFAULT_RULES)."""
+    coordinator: str | None = None
+    """host:port of process 0 for a multi-process run (or JAX_COORDINATOR_ADDRESS)."""
+    num_processes: int | None = None
+    """Processes in a multi-process run (or JAX_NUM_PROCESSES)."""
+    process_id: int | None = None
+    """This process's index in a multi-process run (or JAX_PROCESS_ID)."""
+
+    def build(self) -> parallel.Parallelism | None:
+        """Join the multi-process run if one is asked for, then the mesh (``None``: one device)."""
+        joined = parallel.initialize_distributed(self.coordinator, self.num_processes, self.process_id)
+        if self.mesh is None and not joined:
+            return None
+        return parallel.make_parallelism(self.mesh or "data=-1", self.rules)

@@ -154,6 +154,7 @@ def run(args: Args) -> str:
         temperature=args.temperature,
         top_p=args.top_p,
         eos_id=eos_id,
+        vocab_limit=min(tokenizer.vocab_size, vocab),
     )
     row = [int(t) for t in jax.device_get(tokens)[0]]
     seconds = time.perf_counter() - start

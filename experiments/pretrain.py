@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, presets
+from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis.routing import accumulate, summarize
 from eqmoe.config import apply_overrides, config_to_dict, parse_override
 from eqmoe.data import PackedDataset, load_tokenizer, packing
@@ -35,7 +35,7 @@ from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, save_figure, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from eqmoe.train.step import device_batch, routing_eval_step
-from experiments._cli import UsageError, guarded
+from experiments._cli import MeshOptions, UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Args:
     data: DataOptions = DataOptions()
     optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=50, decay_steps=600, weight_decay=0.01)
     run: RunOptions = RunOptions()
+    parallel: MeshOptions = MeshOptions()
 
 
 def model_config(options: ModelOptions):
@@ -110,7 +111,9 @@ def evaluate(model: Transformer, rows, labels, num_domains: int, batch_size: int
         real = (np.arange(batch_size) + start < count)[:, None]
         chunk = [np.where(real, np.asarray(array)[index], 0) for array in rows]
         domains = jax.nn.one_hot(np.where(real, labels[index], -1), num_domains, dtype=jnp.float32)
-        terms, aux = routing_eval_step(model, device_batch(packing.Batch(*chunk)), domains)
+        batch = device_batch(packing.Batch(*chunk), parallel.current(), process_local=False)
+        domains = parallel.replicated_batch(np.asarray(domains), parallel.current(), ("batch", "seq", None))
+        terms, aux = parallel.to_host(routing_eval_step(model, batch, domains))
         loss_sum += float(terms["cross_entropy"]) * float(terms["target_tokens"])
         tokens += float(terms["target_tokens"])
         if aux is not None:
@@ -160,6 +163,7 @@ def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     options, out_dir = args.run, args.run.out_dir
     options.check()
+    parallelism = args.parallel.build()
     try:
         config = model_config(args.model)
     except ValueError as error:
@@ -179,20 +183,26 @@ def run(args: Args) -> dict:
         file=sys.stderr,
     )
 
-    def batch_at(data_step: int):
-        rows = dataset.batch_at(data_step, args.data.batch_size, options.seed)
-        return device_batch(rows), float(np.sum(rows.segment_ids > 0))
-
     def evaluate_model(model):
         record = evaluate(model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size)
         record.pop("layers", None)
         return record
 
     model = Transformer(config, key=jax.random.key(options.seed))
-    result = loop.train(model, args.optim, options, batch_at=batch_at, evaluate=evaluate_model, metadata={})
-    final = evaluate(
-        result.state.model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size
+    result = loop.train(
+        model,
+        args.optim,
+        options,
+        dataset=dataset,
+        batch_size=args.data.batch_size,
+        evaluate=evaluate_model,
+        metadata={},
+        parallelism=parallelism,
     )
+    with parallel.activate(parallelism):
+        final = evaluate(
+            result.state.model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size
+        )
     plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     layers = final.pop("layers", None)
     if layers is not None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, presets
+from eqmoe import Transformer, parallel, presets
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.config import ModelConfig, config_to_dict
@@ -37,8 +37,8 @@ from eqmoe.data import (
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
-from eqmoe.train.step import eval_step
-from experiments._cli import UsageError, guarded
+from eqmoe.train.step import device_batch, eval_step
+from experiments._cli import MeshOptions, UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class Args:
     data: DataOptions = DataOptions()
     optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=100, decay_steps=1600, weight_decay=0.01)
     run: RunOptions = RunOptions()
+    parallel: MeshOptions = MeshOptions()
 
 
 def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tuple[Transformer, ModelConfig]:
@@ -131,7 +132,8 @@ def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
     for start in range(0, count, batch_size):
         index = np.arange(start, start + batch_size) % count
         chunk = type(rows)(*(np.where((np.arange(batch_size) + start < count)[:, None], a[index], 0) for a in rows))
-        terms = {k: float(v) for k, v in eval_step(model, device_batch(chunk)).items()}
+        batch = device_batch(chunk, parallel.current(), process_local=False)
+        terms = {k: float(v) for k, v in parallel.to_host(eval_step(model, batch)).items()}
         weight = terms["target_tokens"]
         for name in ("loss", "cross_entropy"):
             totals[name] = totals.get(name, 0.0) + terms[name] * weight
@@ -151,7 +153,13 @@ def _samples(model: Transformer, tokenizer, conversations, count: int) -> list[d
     samples = []
     for messages in conversations[:count]:
         prompt = prompt_ids(messages[:-1], tokenizer)
-        output = generate(model, jnp.asarray(prompt)[None], max_new_tokens=32, eos_id=tokenizer.im_end_id)
+        output = generate(
+            model,
+            jnp.asarray(prompt)[None],
+            max_new_tokens=32,
+            eos_id=tokenizer.im_end_id,
+            vocab_limit=tokenizer.vocab_size,
+        )
         new = [int(t) for t in np.asarray(output[0, len(prompt) :])]
         if tokenizer.im_end_id in new:
             new = new[: new.index(tokenizer.im_end_id)]
@@ -165,6 +173,7 @@ def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     run_options, out_dir = args.run, args.run.out_dir
     run_options.check()
+    parallelism = args.parallel.build()
     tokenizer = load_tokenizer(args.data.tokenizer)
     model, config = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
     train, held_out, note = _conversations(args.data, run_options.seed)
@@ -177,18 +186,16 @@ def run(args: Args) -> dict:
         file=sys.stderr,
     )
 
-    def batch_at(data_step: int):
-        rows = dataset.batch_at(data_step, args.data.batch_size, run_options.seed)
-        return device_batch(rows), float(np.sum(rows.segment_ids > 0))
-
     tokenizer_path = None if args.data.tokenizer is None else str(args.data.tokenizer.absolute())
     result = loop.train(
         model,
         args.optim,
         run_options,
-        batch_at=batch_at,
+        dataset=dataset,
+        batch_size=args.data.batch_size,
         evaluate=lambda model: _evaluate(model, eval_rows, args.data.batch_size),
         metadata={"tokenizer": tokenizer_path},
+        parallelism=parallelism,
     )
     model = result.state.model
     plot_metrics(result.metrics.records(), out_dir / "metrics.png")

@@ -17,13 +17,15 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from eqmoe import parallel
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.config import config_from_dict, config_to_dict
+from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
 from eqmoe.train.state import TrainState, abstract_state, init_state
-from eqmoe.train.step import Batch, make_train_step
+from eqmoe.train.step import device_batch, make_train_step
 
 
 @dataclass(frozen=True)
@@ -67,22 +69,36 @@ def train(
     optimizer_config: OptimizerConfig,
     options: RunOptions,
     *,
-    batch_at: Callable[[int], tuple[Batch, float]],
+    dataset: PackedDataset,
+    batch_size: int,
     evaluate: Callable[[Transformer], dict[str, float]],
     metadata: dict,
+    parallelism: parallel.Parallelism | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``options.steps`` steps (from the latest checkpoint with ``options.resume``).
 
     **Arguments:**
 
-    - ``batch_at(data_step)``: the device batch at that loader position and its count of real tokens.
+    - ``dataset``, ``batch_size``: batch ``n`` is ``dataset.batch_at(n, batch_size, options.seed)``; each
+      process reads its own slice of it.
     - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
-      at the end.
+      at the end (called with ``parallelism`` active).
     - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
+    - ``parallelism``: a device mesh (:mod:`eqmoe.parallel`); the model, optimizer state and batches are
+      sharded by its rules and checkpoints restore onto it whatever mesh saved them.
 
     Raises ``FloatingPointError`` naming the step and the non-finite terms (the last checkpoint is kept),
     and ``ValueError`` when resuming a run trained with a different model config.
     """
+    with parallel.activate(parallelism):
+        return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism)
+
+
+def _int(value) -> int:
+    return int(parallel.to_host(value))
+
+
+def _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism) -> TrainResult:
     options.check()
     config, out_dir = model.config, options.out_dir
     optimizer, schedule = make_optimizer(optimizer_config, eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
@@ -92,30 +108,36 @@ def train(
     if options.resume and latest is None:
         print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
     if latest is not None:
-        state, stored = checkpointer.restore(latest, abstract_state(lambda: model, optimizer, key=key))
+        target = abstract_state(lambda: model, optimizer, key=key)
+        if parallelism is not None:
+            target = parallel.abstract_sharded(target, parallelism)
+        state, stored = checkpointer.restore(latest, target)
         if config_from_dict(stored.get("config", {})) != config:
             raise ValueError(f"--resume: the checkpoint in {out_dir} was trained with a different model config")
         print(f"resumed from step {latest}", file=sys.stderr)
     else:
-        state = init_state(model, optimizer, key=key)
+        state = parallel.shard(init_state(parallel.shard(model, parallelism), optimizer, key=key), parallelism)
     del model
-    start = int(state.step)
+    start = _int(state.step)
     metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=start if latest is not None else None)
     train_step = make_train_step(optimizer, schedule)
 
     def save(state: TrainState) -> None:
-        step = int(state.step)
-        stored = {"step": step, "data_step": int(state.data_step), "seed": options.seed}
+        step = _int(state.step)
+        stored = {"step": step, "data_step": _int(state.data_step), "seed": options.seed}
         checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
 
+    shard = (jax.process_index(), jax.process_count())
     progress = Progress(options.steps, start)
     window_tokens, window_start, compile_seconds = 0.0, time.perf_counter(), None
     last_terms: dict[str, float] = {}
     throughput = []
     for step in range(start, options.steps):
-        batch, tokens = batch_at(int(state.data_step))
+        rows = dataset.batch_at(_int(state.data_step), batch_size, options.seed, shard=shard)
+        tokens = float(np.sum(rows.segment_ids > 0)) * shard[1]
         started = time.perf_counter()
-        state, terms = train_step(batch, state)
+        state, terms = train_step(device_batch(rows, parallelism), state)
+        terms = parallel.to_host(terms)
         loss = float(terms["loss"])
         if compile_seconds is None:
             compile_seconds = time.perf_counter() - started

@@ -28,13 +28,20 @@ class Batch(eqx.Module):
     target_mask: Bool[Array, "batch seq"]  # target_mask[b, t]: predicting tokens[b, t] from t - 1 counts
 
 
-def device_batch(rows: packing.Batch) -> Batch:
-    """Packed NumPy rows as a device :class:`Batch`, with the next-token target mask."""
+def device_batch(
+    rows: packing.Batch, parallelism: parallel.Parallelism | None = None, *, process_local: bool = True
+) -> Batch:
+    """Packed NumPy rows as a device :class:`Batch`, with the next-token target mask.
+
+    On a mesh the batch is split over the ``batch`` rule's axes: ``rows`` are this process's slice of the
+    global batch (``process_local``, training data from ``PackedDataset.batch_at(shard=...)``) or the whole
+    batch, held by every process (held-out data)."""
+    put = parallel.global_batch if process_local else parallel.replicated_batch
     return Batch(
-        tokens=jnp.asarray(rows.tokens),
-        segment_ids=jnp.asarray(rows.segment_ids),
-        positions=jnp.asarray(rows.positions),
-        target_mask=jnp.asarray(packing.target_mask(rows)),
+        tokens=put(rows.tokens, parallelism),
+        segment_ids=put(rows.segment_ids, parallelism),
+        positions=put(rows.positions, parallelism),
+        target_mask=put(packing.target_mask(rows), parallelism),
     )
 
 
