@@ -203,9 +203,10 @@ def run(args: Args) -> dict:
         final = evaluate(
             result.state.model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size
         )
-    plot_metrics(result.metrics.records(), out_dir / "metrics.png")
+    if jax.process_index() == 0:
+        plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     layers = final.pop("layers", None)
-    if layers is not None:
+    if layers is not None and jax.process_index() == 0:
         plot_routing(np.asarray(layers["domain_counts"]), train.domains, out_dir / "routing.png", layers["domain_nmi"])
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
@@ -220,7 +221,8 @@ def run(args: Args) -> dict:
         "config": config_to_dict(config),
         "args": _jsonable(dataclasses.asdict(args)),
     }
-    write_json_atomic(out_dir / "summary.json", summary)
+    if jax.process_index() == 0:
+        write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
 

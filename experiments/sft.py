@@ -198,7 +198,8 @@ def run(args: Args) -> dict:
         parallelism=parallelism,
     )
     model = result.state.model
-    plot_metrics(result.metrics.records(), out_dir / "metrics.png")
+    if jax.process_index() == 0:
+        plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     samples = _samples(model, tokenizer, held_out, run_options.samples) if run_options.samples else []
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
@@ -212,7 +213,8 @@ def run(args: Args) -> dict:
         "config": config_to_dict(config),
         "args": _jsonable(dataclasses.asdict(args)),
     }
-    write_json_atomic(out_dir / "summary.json", summary)
+    if jax.process_index() == 0:
+        write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
 

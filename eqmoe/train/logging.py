@@ -24,10 +24,17 @@ def write_json_atomic(path: Path, value) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` (flushed every line)."""
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (flushed every line).
 
-    def __init__(self, path: Path, *, truncate_after_step: int | None = None):
+    With ``primary=False`` (every process of a multi-process run but the first) nothing is written and
+    :meth:`records` returns this process's own records."""
+
+    def __init__(self, path: Path, *, truncate_after_step: int | None = None, primary: bool = True):
         self.path = path
+        self.primary = primary
+        self._records: list[dict] = []
+        if not primary:
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after_step is not None and path.exists():
             # On resume, drop lines from steps the restored checkpoint had not reached yet.
@@ -38,10 +45,15 @@ class MetricsLog:
             path.write_text("")
 
     def write(self, record: dict) -> None:
+        if not self.primary:
+            self._records.append(record)
+            return
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
 
     def records(self) -> list[dict]:
+        if not self.primary:
+            return list(self._records)
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
@@ -55,12 +67,15 @@ def _step_of(line: str) -> int | float:
 class Progress:
     """A one-line progress display: step, loss, tokens/s, learning rate and ETA."""
 
-    def __init__(self, total_steps: int, start_step: int = 0):
+    def __init__(self, total_steps: int, start_step: int = 0, *, enabled: bool = True):
         self.total, self.start = total_steps, start_step
         self.started = time.perf_counter()
-        self.live = sys.stderr.isatty()
+        self.live = sys.stderr.isatty() and enabled
+        self.enabled = enabled
 
     def update(self, step: int, loss: float, tokens_per_second: float, learning_rate: float) -> None:
+        if not self.enabled:
+            return
         done = step - self.start
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (self.total - step)

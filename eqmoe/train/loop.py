@@ -119,7 +119,9 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
         state = parallel.shard(init_state(parallel.shard(model, parallelism), optimizer, key=key), parallelism)
     del model
     start = _int(state.step)
-    metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=start if latest is not None else None)
+    primary = jax.process_index() == 0
+    resumed_at = start if latest is not None else None
+    metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=resumed_at, primary=primary)
     train_step = make_train_step(optimizer, schedule)
 
     def save(state: TrainState) -> None:
@@ -128,7 +130,7 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
         checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
 
     shard = (jax.process_index(), jax.process_count())
-    progress = Progress(options.steps, start)
+    progress = Progress(options.steps, start, enabled=primary)
     window_tokens, window_start, compile_seconds = 0.0, time.perf_counter(), None
     last_terms: dict[str, float] = {}
     throughput = []
