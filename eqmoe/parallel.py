@@ -123,6 +123,10 @@ class Parallelism:
         """The mesh axes of size > 1 that ``logical`` is split over."""
         return tuple(a for a in self.rules.get(logical, ()) if self.size(a) > 1) if logical else ()
 
+    def splits(self, x: Any, logical: str) -> bool:
+        """Whether ``x``'s leading dimension divides evenly over ``logical``'s mesh axes."""
+        return x.shape[0] % math.prod(self.size(a) for a in self.mesh_axes(logical)) == 0
+
     def spec(self, logical: Logical, shape: tuple[int, ...] | None = None) -> PartitionSpec:
         """The ``PartitionSpec`` of an array with these logical axes. With ``shape``, a dimension the mesh
         axes do not divide is replicated; a mesh axis is used by the first dimension that asks for it."""

@@ -82,12 +82,14 @@ class Args:
     """Built-in corpus: training characters of each domain."""
     eval_chars_per_domain: int = 10_000
     """Built-in corpus: held-out characters of each domain."""
+    mesh: str | None = None
+    """Device mesh for every variant, e.g. data=2,expert=4 (default: one device)."""
 
 
 def settings(args: Args) -> dict:
     """What every variant shares; an output folder holds results of one setting only."""
     fields = dataclasses.asdict(args)
-    return {name: value for name, value in fields.items() if name not in ("variants", "out_dir")}
+    return {name: value for name, value in fields.items() if name not in ("variants", "out_dir", "mesh")}
 
 
 def pretrain_args(args: Args, name: str) -> pretrain.Args:
@@ -120,6 +122,7 @@ def pretrain_args(args: Args, name: str) -> pretrain.Args:
             log_every=min(50, args.steps),
             seed=args.seed,
         ),
+        parallel=dataclasses.replace(defaults.parallel, mesh=args.mesh),
     )
 
 

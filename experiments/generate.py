@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import tyro
 
+from eqmoe import parallel
 from eqmoe.data import ByteTokenizer
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
-from experiments._cli import UsageError, guarded
+from experiments._cli import MeshOptions, UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class Args:
     dtype: str = "float32"
     """Parameter and compute dtype: float32 | bfloat16 | float16."""
 
+    mesh: str | None = None
+    """Device mesh to shard the model over, e.g. expert=4 or tensor=2 (default: one device)."""
+
+    rules: str = ""
+    """Logical-axis rule overrides (see eqmoe.parallel.DEFAULT_RULES)."""
+
 
 class Tokenizer:
     """A Hugging Face tokenizer.json, special tokens included as written in the prompt."""
@@ -79,6 +86,7 @@ class Tokenizer:
             self._tokenizer = HF.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception for unreadable files
             raise UsageError(f"{path}: not a tokenizers tokenizer.json ({error})") from None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text).ids)
@@ -145,18 +153,21 @@ def run(args: Args) -> str:
     if eos_id is not None and not 0 <= eos_id < vocab:
         raise UsageError(f"--eos-id {eos_id}: outside the vocabulary 0..{vocab - 1}")
 
+    parallelism = MeshOptions(mesh=args.mesh, rules=args.rules).build()
+    model = parallel.shard(model, parallelism)
     start = time.perf_counter()
-    tokens = generate(
-        model,
-        jnp.asarray([ids], jnp.int32),
-        max_new_tokens=args.max_new_tokens,
-        key=jax.random.key(args.seed),
-        temperature=args.temperature,
-        top_p=args.top_p,
-        eos_id=eos_id,
-        vocab_limit=min(tokenizer.vocab_size, vocab),
-    )
-    row = [int(t) for t in jax.device_get(tokens)[0]]
+    with parallel.activate(parallelism):
+        tokens = generate(
+            model,
+            jnp.asarray([ids], jnp.int32),
+            max_new_tokens=args.max_new_tokens,
+            key=jax.random.key(args.seed),
+            temperature=args.temperature,
+            top_p=args.top_p,
+            eos_id=eos_id,
+            vocab_limit=min(tokenizer.vocab_size, vocab),
+        )
+    row = [int(t) for t in parallel.to_host(tokens)[0]]
     seconds = time.perf_counter() - start
     new = row[len(ids) :]
     if eos_id is not None and eos_id in new:

@@ -1,14 +1,8 @@
 """Shared fixtures: tiny random Hugging Face Qwen3-MoE models written with ``save_pretrained``."""
 
-import os
 from pathlib import Path
 
 import pytest
-
-# Eight simulated CPU devices for the mesh tests (tests/test_parallel.py); read when JAX first touches a
-# device, which no import before this one does. Single-device code runs on device 0 as before.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 TINY_HF = dict(
     vocab_size=97,

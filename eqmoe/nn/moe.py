@@ -17,7 +17,9 @@ class MoE(eqx.Module):
     """A routed-expert FFN over all tokens of the batch at once (HF Qwen3MoeSparseMoeBlock).
 
     On a mesh with an ``expert`` axis the dropless path runs with expert parallelism
-    (:mod:`eqmoe.nn.expert_parallel`); capacity routing is left to XLA's SPMD partitioner.
+    (:mod:`eqmoe.nn.expert_parallel`) when the tokens split evenly over the ``batch`` axes (a decoding
+    step of one token does not: it runs the plain backend on the sharded weights); capacity routing is
+    left to XLA's SPMD partitioner.
 
     Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true
     (with per-domain counts when ``token_domains``, one-hot ``[batch, seq, domains]``, is given).
@@ -48,7 +50,12 @@ class MoE(eqx.Module):
         routing = self.router(flat, token_mask.reshape(-1))
         parallelism = parallel.current()
         dropless = self.config.router.capacity_factor is None and self.config.dispatch != "dense"
-        if dropless and parallelism is not None and parallelism.size("expert") > 1:
+        if (
+            dropless
+            and parallelism is not None
+            and parallelism.size("expert") > 1
+            and parallelism.splits(flat, "batch")
+        ):
             y = expert_parallel(flat, routing, self.experts, self.config, parallelism)
         else:
             y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
