@@ -70,7 +70,7 @@ def measure(config, mesh: str | None, batch: int, seq: int, repeats: int) -> tup
         step, state = _step_and_state(config, p)
         put = parallel.global_batch
         data = Batch(put(tokens, p), put(ones, p), put(positions, p), put(ones.astype(bool), p))
-        hlo = step.lower(data, state).compile().as_text()
+        hlo = step.lower(data, state).compile().compiled.as_text()
         state, terms = step(data, state)
         jax.block_until_ready(terms)
         times = []
