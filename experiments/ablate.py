@@ -1,6 +1,6 @@
 """Router and norm ablations: every variant trained with the same seed, data order and token budget.
 
-    python -m experiments.ablate                                  # the default grid, ~15 min on 2 CPU cores
+    python -m experiments.ablate                                  # the default grid, ~9 min on 2 CPU cores
     python -m experiments.ablate --variants baseline switch-top1  # a subset
     python -m experiments.ablate --steps 1000 --out-dir runs/ablate-long
 
