@@ -169,3 +169,15 @@ def test_two_processes_match_one(tmp_path):
     one = sft.run(args)
     assert abs(two["final_loss"] - one["final_loss"]) < 1e-5
     assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-5
+
+
+def test_generation_on_an_expert_mesh_matches_one_device():
+    from eqmoe.inference import generate
+
+    model = Transformer(presets.get("qwen3-moe-micro"), key=jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(3), (2, 8), 0, 260)
+    expected = generate(model, prompt, max_new_tokens=6)
+    p = parallel.make_parallelism("data=2,expert=4")
+    with parallel.activate(p):
+        tokens = generate(parallel.shard(model, p), prompt, max_new_tokens=6)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
