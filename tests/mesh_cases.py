@@ -181,3 +181,14 @@ def test_generation_on_an_expert_mesh_matches_one_device():
     with parallel.activate(p):
         tokens = generate(parallel.shard(model, p), prompt, max_new_tokens=6)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+
+
+def test_plan_on_a_mesh_splits_the_arguments_exactly():
+    from eqmoe.analysis import plan
+
+    config = presets.get("qwen3-moe-tiny")
+    one = plan.estimate(config, parallel.make_parallelism("data=1", devices=jax.devices()[:1]), 16, 128)
+    p = parallel.make_parallelism("data=2,fsdp=4")
+    estimate, compiled = plan.estimate(config, p, 16, 128), plan.compile_step(config, p, 16, 128)
+    assert estimate.argument == pytest.approx(compiled.argument, rel=0.01)
+    assert estimate.parameters < one.parameters / 3  # embed split over fsdp=4, norms replicated

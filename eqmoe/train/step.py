@@ -71,7 +71,14 @@ def make_train_step(
     After the optimizer update, routers with a selection bias are rebalanced from this batch's loads
     (:func:`eqmoe.train.balance.update_router_biases`)."""
 
-    @eqx.filter_jit(donate="all-except-first")
+    return eqx.filter_jit(train_step_fn(optimizer, schedule), donate="all-except-first")
+
+
+def train_step_fn(
+    optimizer: optax.GradientTransformation, schedule: optax.Schedule
+) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
+    """The un-compiled train step (for lowering on abstract inputs, as ``experiments.plan`` does)."""
+
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch)
         params = eqx.filter(state.model, eqx.is_array)

@@ -1,0 +1,217 @@
+"""Plan a run before paying for it: per-device memory and FLOPs of one train step, analytic and compiled.
+
+:func:`compile_step` lowers and compiles the real train step on abstract inputs (``jax.ShapeDtypeStruct``
+carrying the mesh's shardings; nothing of the model's size is allocated) and reads XLA's memory and cost
+analyses. :func:`estimate` computes the same quantities from the config alone.
+
+Analytic model, per device (``b = batch / (data * fsdp * expert)`` rows of ``T`` tokens; ``c`` compute-dtype
+bytes; widths already divided by their mesh axes as the sharding rules split them):
+
+- parameters ``P_local * 4`` (float32 storage; ``P_local`` from each leaf's local shard shape);
+- optimizer state ``2 * P_local * 4`` (Adam's two moments);
+- gradients ``P_local * 4``;
+- activations kept for the backward pass, per layer and token (``remat="none"``):
+  attention ``c * (4 D + 2 (H + 2 Hkv) hd + H hd) + 4 * 2 H T`` (scores and probabilities in float32),
+  MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
+  ``c * (2 D + 3 M)``; plus the output layer ``4 * 3 V`` per token (logits, log-probabilities, gradient).
+  With ``remat="block"`` each layer keeps its input ``c * D`` per token and one unit's activations are live
+  during its recomputation;
+- output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
+
+Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward matmuls; attention scores and
+values counted over the full ``T``, as the causal mask is not exploited), with ``N_active`` the parameters
+a token touches (embedding lookup excluded): its top-k experts only.
+"""
+
+import math
+import time
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqmoe import parallel
+from eqmoe.config import ModelConfig
+from eqmoe.model import Transformer
+from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
+from eqmoe.train.state import abstract_state
+from eqmoe.train.step import Batch, train_step_fn
+
+
+class Memory(NamedTuple):
+    """Bytes per device."""
+
+    parameters: float
+    optimizer: float
+    gradients: float
+    activations: float  # analytic: activations kept for backward; XLA: temp minus the gradients estimate
+    batch: float
+    output: float
+
+    @property
+    def argument(self) -> float:
+        """What the step receives: parameters, optimizer state and the batch (XLA's argument size)."""
+        return self.parameters + self.optimizer + self.batch
+
+    @property
+    def temp(self) -> float:
+        """What the step allocates while running: gradients and activations (XLA's temp size)."""
+        return self.gradients + self.activations
+
+    @property
+    def peak(self) -> float:
+        """Arguments plus temporaries (outputs alias the donated arguments)."""
+        return self.argument + self.temp
+
+
+def _local_size(leaf: jax.ShapeDtypeStruct) -> int:
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) if leaf.sharding is not None else math.prod(leaf.shape)
+
+
+def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int):
+    """The sharded abstract train state, its static part, the batch and the optimizer pieces."""
+    optimizer_config = OptimizerConfig()
+    model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    optimizer, schedule = make_optimizer(optimizer_config, model, embed_dim=config.embed_dim)
+    state = abstract_state(lambda: Transformer(config, key=jax.random.key(0)), optimizer, key=jax.random.key(1))
+    state = parallel.abstract_sharded(state, p)
+    rows = p.sharding(("batch", "seq"), (batch, seq))
+    dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.bool_)
+    shapes = jax.eval_shape(lambda: Batch(*(jnp.zeros((batch, seq), d) for d in dtypes)))
+    data = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), shapes)
+    return state, data, optimizer, schedule
+
+
+def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> Memory:
+    """The analytic :class:`Memory` of one train step (see the module docstring for the formulas)."""
+    state, _, _, _ = _abstract(config, p, batch, seq)
+    params = sum(_local_size(x) for x in jax.tree.leaves(state.model) if isinstance(x, jax.ShapeDtypeStruct))
+    shards = math.prod(p.size(a) for a in p.mesh_axes("batch"))
+    rows = batch // shards if batch % shards == 0 else batch
+    tokens = rows * seq
+    c = jnp.dtype(config.dtype).itemsize
+    tp = p.size("tensor")
+    attn = config.attention
+    heads, kv = _split(attn.num_heads, tp), _split(attn.num_kv_heads, tp)
+    d, hd = config.embed_dim, attn.head_dim
+    attention = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 10 * heads * seq + c * _RESIDUAL_COPIES * d
+    per_kind = {"dense": c * (2 * d + 3 * _split(config.mlp_dim or 0, tp))}
+    if config.moe is not None:
+        per_kind["moe"] = _moe_bytes_per_token(config, p, tokens, c)
+    kinds = config.layer_kinds()
+    layers = [attention + per_kind[kind] for kind in kinds]
+    if config.remat == "block":
+        # Layer inputs stay; one repeat unit is recomputed at a time and its backward frees activations as
+        # it consumes them (about three quarters of the unit's are live at once on XLA:CPU).
+        units = [sum(attention + per_kind[kind] for kind in segment.unit) for segment in config.layers]
+        kept = c * d * len(kinds) + 0.75 * max(units)
+    else:
+        kept = sum(layers)
+    output_layer = 4 * 3 * _split(config.vocab_size, tp)
+    activations = tokens * (kept + output_layer)
+    return Memory(
+        parameters=4 * params,
+        optimizer=2 * 4 * params,
+        gradients=2 * 4 * params,  # the gradients and the optimizer's update, both parameter-sized
+        activations=float(activations),
+        batch=float(13 * tokens),  # three int32 arrays and a bool mask
+        output=3 * 4 * params,
+    )
+
+
+# Calibrated on XLA:CPU with the small presets (see experiments.plan's note): per layer and token XLA keeps
+# about six more embed-width vectors than the named activations (residual-stream copies, norm statistics,
+# the scan's stacked carries).
+_RESIDUAL_COPIES = 6
+
+
+def _moe_bytes_per_token(config: ModelConfig, p: parallel.Parallelism, tokens: int, c: int) -> float:
+    """Activation bytes per token of one MoE layer for the backend that will run (see the module docstring)."""
+    from eqmoe.nn.dispatch import resolve
+
+    moe, d = config.moe, config.embed_dim
+    router = moe.router
+    k, experts, f = router.top_k, router.num_experts, _split(moe.expert_dim, p.size("tensor"))
+    routing = c * 2 * d + 4 * 3 * experts  # the FFN input and its norm; logits, probabilities, choices
+    backend = resolve(moe).__name__
+    if router.capacity_factor is None and p.size("expert") > 1:
+        # Expert parallel: send and receive buffers padded to P * T*k rows, local compute on all of them.
+        rows = p.size("expert") * k
+        return routing + c * rows * (4 * d + 3 * f)
+    if backend == "capacity":
+        group = tokens // router.num_groups
+        capacity = max(1, int(group * router.capacity_factor / experts))
+        # One-hot dispatch and combine tensors [tokens, E, C] and their products (four live), then the
+        # [E, G, C] expert buffers.
+        buffers = experts * capacity * router.num_groups * (2 * d + 3 * f) / tokens
+        return routing + c * 4 * experts * capacity + c * buffers
+    if backend == "sorted_blocks":
+        block = moe.block_size
+        rows = -(-(tokens * k + experts * (block - 1)) // block) * block / tokens
+        return routing + c * (rows * (2 * d + 2 * f) + k * d)
+    if backend == "dense":
+        return routing + c * experts * (2 * d + 3 * f)
+    return routing + c * k * (2 * d + 3 * f)  # ragged_dot: the T*k sorted slots, no padding
+
+
+def _split(size: int, ways: int) -> int:
+    return size // ways if size % ways == 0 else size
+
+
+class Compiled(NamedTuple):
+    """XLA's view of the compiled step, per device, and what planning it cost."""
+
+    argument: float
+    output: float
+    alias: float
+    temp: float
+    flops: float | None  # XLA cost analysis, per device
+    lower_seconds: float
+    compile_seconds: float
+
+
+def compile_step(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> Compiled:
+    """Lower and compile the real train step on abstract sharded inputs and read XLA's analyses."""
+    started = time.perf_counter()
+    state, data, optimizer, schedule = _abstract(config, p, batch, seq)
+    dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    step = train_step_fn(optimizer, schedule)
+    with parallel.activate(p):
+        lowered = jax.jit(lambda d, b: step(b, eqx.combine(d, static)), donate_argnums=0).lower(dynamic, data)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return Compiled(
+        argument=float(memory.argument_size_in_bytes),
+        output=float(memory.output_size_in_bytes),
+        alias=float(memory.alias_size_in_bytes),
+        temp=float(memory.temp_size_in_bytes),
+        flops=None if not cost or "flops" not in cost else float(cost["flops"]),
+        lower_seconds=lowered_at - started,
+        compile_seconds=compiled_at - lowered_at,
+    )
+
+
+def active_parameters(config: ModelConfig) -> tuple[int, int]:
+    """``(total, active per token)`` parameter counts, embedding lookup excluded from active."""
+    model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct))
+    # The embedding lookup costs no matmul; a tied embedding is also the output layer, which does.
+    active = total if config.tie_embeddings else total - config.vocab_size * config.embed_dim
+    if config.moe is not None:
+        router = config.moe.router
+        per_expert = 3 * config.embed_dim * config.moe.expert_dim
+        moe_layers = sum(kind == "moe" for kind in config.layer_kinds())
+        active -= moe_layers * per_expert * (router.num_experts - router.top_k)
+    return total, active
+
+
+def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
+    """``(total-parameter, active-parameter)`` training FLOPs per token (see the module docstring)."""
+    total, active = active_parameters(config)
+    attention = 12 * config.num_layers * config.attention.num_heads * config.attention.head_dim * seq
+    return float(6 * total + attention), float(6 * active + attention)

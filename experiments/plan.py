@@ -1,0 +1,163 @@
+"""Plan a run before paying for it: per-device memory and FLOPs of the real train step, without the hardware.
+
+    python -m experiments.plan --preset qwen3-30b-a3b --mesh fsdp=8,expert=8 --batch 256 --seq 4096 --dtype bfloat16
+    python -m experiments.plan --preset qwen3-moe-tiny --mesh data=1 --remat none block      # table over remat
+    python -m experiments.plan --preset envy-switch-base --mesh data=8 fsdp=8 data=2,expert=4 --json
+
+The train step is lowered and compiled by XLA on abstract inputs (``jax.ShapeDtypeStruct`` with the mesh's
+shardings, on simulated CPU devices; nothing of the model's size is allocated), and its compiled memory
+and cost analyses are printed next to the analytic estimate of ``eqmoe.analysis.plan`` (formulas in its
+docstring). Several ``--mesh`` or ``--remat`` values print one row per combination. When XLA cannot
+compile a configuration here, the row says where it failed and shows the analytic estimate alone.
+
+XLA here is XLA:CPU: GPU and TPU compilers fuse and schedule differently (flash attention, for one, never
+materialises the [T, T] scores), so the compiled temp bytes are a CPU-compiler figure; parameters,
+optimizer state and arguments are exact for any backend.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+
+@dataclass(frozen=True)
+class Args:
+    preset: str = "qwen3-moe-micro"
+    """Model preset."""
+    mesh: tuple[str, ...] = ("data=1",)
+    """Mesh or meshes, e.g. fsdp=64,expert=16 (simulated CPU devices are created to match)."""
+    batch: int = 16
+    """Global batch, rows."""
+    seq: int = 128
+    """Tokens per row."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype (parameters and optimizer state stay float32)."""
+    remat: tuple[Literal["none", "block"], ...] = ("none",)
+    """Remat policy or policies: none keeps every activation, block recomputes each layer unit."""
+    dispatch: Literal["auto", "sorted", "ragged_dot", "dense", "capacity"] = "auto"
+    """MoE dispatch backend to plan (auto: what the preset runs on this machine's CPU)."""
+    peak_tflops: float = 989.0
+    """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation assumed for the tokens/s estimate."""
+    compile: bool = True
+    """Compile with XLA (off: the analytic estimate only)."""
+    json: bool = False
+    """Print JSON instead of a table."""
+
+
+def _devices_needed(meshes: tuple[str, ...]) -> int:
+    sizes = []
+    for spec in meshes:
+        sizes.append(math.prod(abs(int(part.split("=")[1])) for part in spec.split(",") if "=" in part) or 1)
+    return max(sizes)
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:,.3f}"
+
+
+def plan(args: Args) -> list[dict]:
+    """One record per (mesh, remat): analytic and compiled bytes per device, FLOPs, planning cost."""
+    import jax
+
+    from eqmoe import parallel, presets
+    from eqmoe.analysis import plan as planning
+    from eqmoe.config import apply_overrides
+
+    rows = []
+    for spec in args.mesh:
+        needed = _devices_needed((spec,))
+        if "-1" in spec or needed > jax.device_count():
+            raise ValueError(f"--mesh {spec}: give every axis a size; {jax.device_count()} devices exist")
+        p = parallel.make_parallelism(spec, devices=jax.devices()[:needed])
+        for remat in args.remat:
+            config = presets.get(args.preset).replace(remat=remat, dtype=args.dtype, param_dtype="float32")
+            if args.dispatch != "auto" and config.moe is not None:
+                config = apply_overrides(config, {"moe.dispatch": args.dispatch})
+            estimate = planning.estimate(config, p, args.batch, args.seq)
+            total_flops, active_flops = planning.flops_per_token(config, args.seq)
+            devices = math.prod(p.mesh.shape.values())
+            tokens_per_second = args.mfu * args.peak_tflops * 1e12 * devices / active_flops
+            record = {
+                "mesh": spec,
+                "remat": remat,
+                "devices": devices,
+                "analytic": {**estimate._asdict(), "argument": estimate.argument, "temp": estimate.temp},
+                "flops_per_token": {"total_params": total_flops, "active_params": active_flops},
+                "tokens_per_second_at_mfu": tokens_per_second,
+                "compiled": None,
+                "compile_error": None,
+            }
+            if args.compile:
+                try:
+                    compiled = planning.compile_step(config, p, args.batch, args.seq)
+                    record["compiled"] = compiled._asdict()
+                except Exception as error:  # a compiler failure is a result here, reported beside the estimate
+                    record["compile_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            rows.append(record)
+    return rows
+
+
+def table(args: Args, rows: list[dict]) -> str:
+    lines = [
+        f"{args.preset}: batch {args.batch} x {args.seq}, {args.dtype}; bytes per device in GiB "
+        "(analytic / XLA compiled)",
+        f"{'mesh':<22}{'remat':<7}{'params':>9}{'opt':>9}{'grads+upd':>10}{'activ.':>10}{'argument':>19}"
+        f"{'temp':>21}{'output':>10}{'peak':>23}",
+    ]
+    for row in rows:
+        a, c = row["analytic"], row["compiled"]
+        peak = a["argument"] + a["temp"]
+        compiled_peak = None if c is None else c["argument"] + c["temp"]
+        lines.append(
+            f"{row['mesh']:<22}{row['remat']:<7}{_gib(a['parameters']):>9}{_gib(a['optimizer']):>9}"
+            f"{_gib(a['gradients']):>10}{_gib(a['activations']):>10}"
+            f"{_gib(a['argument']):>9} / {_gib(c and c['argument']):>7}"
+            f"{_gib(a['temp']):>10} / {_gib(c and c['temp']):>8}"
+            f"{_gib(c and c['output']):>10}{_gib(peak):>11} / {_gib(compiled_peak):>9}"
+        )
+        flops = row["flops_per_token"]
+        line = (
+            f"{'':<29}model FLOPs/token {flops['total_params']:.3e} (all params) {flops['active_params']:.3e} "
+            f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {args.peak_tflops} "
+            f"TFLOP/s x {row['devices']} devices"
+        )
+        if c is not None:
+            xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch * args.seq):.3e}"
+            line += f"; XLA cost analysis {xla} FLOPs/token (loop bodies counted once)"
+            line += f"; lower {c['lower_seconds']:.1f}s, compile {c['compile_seconds']:.1f}s"
+        lines.append(line)
+        if row["compile_error"]:
+            lines.append(f"{'':<29}XLA could not compile this here ({row['compile_error']}); analytic only")
+    return "\n".join(lines)
+
+
+def main(args: Args) -> int:
+    needed = _devices_needed(args.mesh)
+    if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge._backends:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={needed}".strip()
+    from experiments._cli import guarded
+
+    started = time.perf_counter()
+    rows = guarded("plan", plan, args)
+    if rows is None:
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table(args, rows))
+        print(f"planning took {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(tyro.cli(Args)))
