@@ -111,6 +111,8 @@ def main(args: Args) -> int:
         dtype=getattr(torch, args.dtype),
         attn_implementation="eager",
         experts_implementation="eager",
+        use_safetensors=True,  # never torch.load (pickle) a pytorch_model.bin found beside the weights
+        trust_remote_code=False,
     ).eval()
     forward = eqx.filter_jit(lambda model, ids: model(ids).logits)
     worst = 0.0

@@ -146,8 +146,8 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
             window_start = time.perf_counter()
         else:
             window_tokens += tokens
-        if not math.isfinite(loss):
-            bad = [name for name, value in terms.items() if not math.isfinite(float(value))]
+        bad = [name for name, value in terms.items() if not math.isfinite(float(value))]
+        if bad:
             checkpointer.close()
             raise FloatingPointError(
                 f"step {step + 1}: non-finite {', '.join(bad)}; stopped, the last good checkpoint "
@@ -169,6 +169,8 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     progress.close()
     checkpointer.close()
     final_eval = evaluate(state.model)
-    metrics.write({"step": options.steps, **final_eval})
+    already = any(r.get("step") == options.steps and final_eval.keys() <= r.keys() for r in metrics.records())
+    if not already:  # a resumed run that had already finished has written its final evaluation
+        metrics.write({"step": options.steps, **final_eval})
     median = float(np.median(throughput)) if throughput else None
     return TrainResult(state, metrics, last_terms, final_eval, median, compile_seconds)
