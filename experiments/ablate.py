@@ -23,7 +23,7 @@ import numpy as np
 import tyro
 
 from eqmoe.config import format_override
-from eqmoe.train.logging import save_figure, write_json_atomic
+from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
 from experiments import pretrain
 from experiments._cli import UsageError, guarded
 
@@ -203,14 +203,12 @@ def results_table(results: dict) -> str:
 
 def plot_results(results: dict, out_dir: Path) -> None:
     """``eval_loss.png`` and ``load_balance.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
 
     variants = results["variants"]
-    figure, axis = plt.subplots(figsize=(9, 5.5))
-    colors = plt.get_cmap("tab20").colors
+    figure = new_figure(figsize=(9, 5.5))
+    axis = figure.subplots()
+    colors = colormaps["tab20"].colors
     for number, (name, row) in enumerate(variants.items()):
         curve = np.asarray(row["eval_curve"])
         style = "o-" if name == "baseline" else (".-" if number % 2 else ".--")
@@ -225,7 +223,8 @@ def plot_results(results: dict, out_dir: Path) -> None:
     names = [name for name, row in variants.items() if row.get("layers")]
     if names:
         table = np.asarray([variants[name]["layers"]["load_cv"] for name in names])
-        figure, axis = plt.subplots(figsize=(2 + 1.2 * table.shape[1], 0.4 * len(names) + 1.5))
+        figure = new_figure(figsize=(2 + 1.2 * table.shape[1], 0.4 * len(names) + 1.5))
+        axis = figure.subplots()
         image = axis.imshow(table, cmap="magma_r", aspect="auto")
         axis.set_yticks(range(len(names)), names, fontsize=8)
         axis.set_xticks(range(table.shape[1]), [f"MoE {i}" for i in range(table.shape[1])])

@@ -32,7 +32,7 @@ from eqmoe.config import apply_overrides, config_to_dict, parse_override
 from eqmoe.data import PackedDataset, load_tokenizer, packing
 from eqmoe.data.corpus import load_documents, pack_documents, split_documents, synthetic_documents
 from eqmoe.train import loop
-from eqmoe.train.logging import plot_metrics, save_figure, write_json_atomic
+from eqmoe.train.logging import new_figure, plot_metrics, save_figure, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from eqmoe.train.step import device_batch, routing_eval_step
 from experiments._cli import MeshOptions, UsageError, guarded
@@ -142,13 +142,9 @@ def evaluate(model: Transformer, rows, labels, num_domains: int, batch_size: int
 
 def plot_routing(domain_counts: np.ndarray, domains: tuple[str, ...], path: Path, nmi: list[float]) -> None:
     """``routing.png``: per MoE layer, the share of each domain's assignments that went to each expert."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     layers = domain_counts.shape[0]
-    figure, axes = plt.subplots(1, layers, figsize=(3.2 * layers, 0.5 * len(domains) + 1.6), squeeze=False)
+    figure = new_figure(figsize=(3.2 * layers, 0.5 * len(domains) + 1.6))
+    axes = figure.subplots(1, layers, squeeze=False)
     shares = domain_counts / np.maximum(domain_counts.sum(-1, keepdims=True), 1.0)
     for layer, axis in enumerate(axes[0]):
         axis.imshow(shares[layer], vmin=0, vmax=1, cmap="viridis", aspect="auto")

@@ -1,7 +1,11 @@
 """The ablation grid: reproducible rows, skipping finished variants and resuming an interrupted one."""
 
+import ast
+import functools
 import json
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,11 +83,45 @@ def test_killed_variant_resumes_and_finished_variants_are_skipped(tmp_path):
         assert (out_dir / name).is_file()
 
 
-def test_a_variant_added_in_one_line_is_runnable(tmp_path, monkeypatch):
-    monkeypatch.setitem(ablate.VARIANTS, "top3", {"moe.router.top_k": 3})
-    results = ablate.run(ablate.Args(out_dir=tmp_path, variants=("top3",), **{**TINY, "steps": 4}))
-    assert results["variants"]["top3"]["all_overrides"]["moe.router.top_k"] == 3
-    assert json.loads((tmp_path / "top3" / "summary.json").read_text())["config"]["moe"]["router"]["top_k"] == 3
+def test_the_readme_recipe_for_a_new_variant_makes_it_runnable_by_name(tmp_path):
+    """Follow README.md alone: its sentence names the dict and the file, its code block is the line to add."""
+    readme = (ROOT / "README.md").read_text()
+    recipe = re.search(r"add one\s+line to `(\w+)` in `([\w/.]+)`:\s*```python\n(.+?)\n```", readme, re.S)
+    assert recipe, "README.md lost its recipe for adding an ablation variant"
+    table, file, line = recipe.groups()
+    name = re.match(r'\s*"([\w-]+)":', line).group(1)
+
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / Path(file).parent, tree / Path(file).parent, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (tree / file).read_text()
+    opening = re.search(rf"^{table}\b.*=\s*{{\n", source, re.M)
+    assert opening, f"{file} has no `{table} = {{` for the README's line to go into"
+    (tree / file).write_text(source[: opening.end()] + line + "\n" + source[opening.end() :])
+
+    out = tmp_path / "ablate"
+    flags = [*TINY_FLAGS, "--steps=4", f"--out-dir={out}"]
+    module = file.removesuffix(".py").replace("/", ".")
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--variants", name, *flags], cwd=tree, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["variants"]) == [name]
+    trained = json.loads((out / name / "summary.json").read_text())["config"]
+    base = presets.get("qwen3-moe-micro")
+    for field, value in eval_line(line)[name].items():
+        *groups, leaf = field.split(".")
+        assert (
+            functools.reduce(dict.__getitem__, groups, trained)[leaf]
+            == value
+            != functools.reduce(getattr, field.split("."), base)
+        )
+    assert name not in ablate.VARIANTS, "the README's example variant already exists: the recipe proves nothing"
+
+
+def eval_line(line: str) -> dict:
+    """The dict entry ``line`` as data (a literal, so no code runs)."""
+    return ast.literal_eval("{" + line.strip().rstrip(",") + "}")
 
 
 def test_unknown_variants_and_changed_settings_are_one_line_errors(tmp_path, capsys):

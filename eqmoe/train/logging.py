@@ -96,11 +96,6 @@ class Progress:
 def plot_metrics(records: list[dict], path: Path) -> None:
     """``metrics.png``: training and eval loss, then whichever of held-out exact match, expert-load
     balance and expert-domain mutual information the records carry, over steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     panels = [
@@ -112,7 +107,8 @@ def plot_metrics(records: list[dict], path: Path) -> None:
         )
         if any(name in r for r in source)
     ]
-    figure, axes = plt.subplots(1, 1 + len(panels), figsize=(5 * (1 + len(panels)), 4), squeeze=False)
+    figure = new_figure(figsize=(5 * (1 + len(panels)), 4))
+    axes = figure.subplots(1, 1 + len(panels), squeeze=False)
     axes = axes[0]
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
@@ -129,12 +125,17 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     save_figure(figure, path)
 
 
-def save_figure(figure, path: Path) -> None:
-    """Save a matplotlib figure to ``path`` through a temporary file and close it."""
-    import matplotlib.pyplot as plt
+def new_figure(**options):
+    """A matplotlib ``Figure`` not registered with pyplot: saving it never switches the caller's backend
+    (a notebook keeps its inline plots) and nothing needs closing."""
+    from matplotlib.figure import Figure
 
+    return Figure(**options)
+
+
+def save_figure(figure, path: Path) -> None:
+    """Save a matplotlib figure to ``path`` through a temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp{path.suffix}")
     figure.savefig(temporary, dpi=100)
-    plt.close(figure)
     os.replace(temporary, path)
