@@ -215,21 +215,11 @@ def run(args: Args) -> dict:
         "compile_seconds": result.compile_seconds,
         "overrides": dict(parse_override(text) for text in args.model.override),
         "config": config_to_dict(config),
-        "args": _jsonable(dataclasses.asdict(args)),
+        "args": dataclasses.asdict(args),
     }
     if jax.process_index() == 0:
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def main(args: Args) -> int:

@@ -1,11 +1,14 @@
 """Every notebook runs top to bottom without an error, and none is committed with outputs."""
 
+import json
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from experiments import ablate
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -33,9 +36,20 @@ def test_notebook_is_committed_without_outputs(path):
 def test_notebook_runs_top_to_bottom(path):
     notebook = nbformat.read(path, as_version=4)
     started = time.perf_counter()
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     figures = sum(
         "image/png" in output.get("data", {}) for cell in notebook.cells for output in cell.get("outputs", [])
     )
     assert figures >= 1, f"{path.name} drew no figure"
     assert time.perf_counter() - started < 120, f"{path.name} took more than two minutes"
+
+
+def test_the_committed_ablation_results_are_of_the_current_default_grid():
+    """05 plots committed results; they must be what ``python -m experiments.ablate`` now runs."""
+    results = json.loads((ROOT / "notebooks" / "data" / "ablate_default_grid.json").read_text())
+    stale = "re-run `python -m experiments.ablate` and copy runs/ablate/results.json to notebooks/data/"
+    assert results["settings"] == ablate.settings(ablate.Args()), stale
+    assert results["base_overrides"] == ablate.BASE_OVERRIDES, stale
+    assert {name: row["overrides"] for name, row in results["variants"].items()} == ablate.VARIANTS, stale

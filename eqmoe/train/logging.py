@@ -10,17 +10,23 @@ from pathlib import Path
 
 
 def write_json_atomic(path: Path, value) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+    """Write JSON to a temporary file beside ``path`` and rename it into place (paths are written as text)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(handle, "w") as file:
-            json.dump(value, file, indent=2)
+            json.dump(value, file, indent=2, default=_path_as_text)
             file.write("\n")
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _path_as_text(value):
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 class MetricsLog:
