@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Hugging Face Qwen3-MoE models written with ``save_pretrained``."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,21 @@ def load_reference(folder: Path):
     return transformers.Qwen3MoeForCausalLM.from_pretrained(
         folder, attn_implementation="eager", experts_implementation="eager"
     ).eval()
+
+
+MAPPINGS = Path("/proc/self/maps")
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs():
+    """Drop every compiled program once the process holds many memory mappings.
+
+    Each XLA:CPU executable keeps its own mappings; one process running the whole suite otherwise passes
+    Linux's default limit of 65,530 (``vm.max_map_count``) and the next compile segfaults.
+    """
+    yield
+    if MAPPINGS.exists() and MAPPINGS.read_bytes().count(b"\n") > 30_000:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

@@ -342,3 +342,14 @@ def test_known_preset():
     config = presets.get("qwen3-30b-a3b")
     assert config.layers == (Segment(("moe",), 48),)
     assert config.moe.router.num_experts == 128 and config.moe.router.top_k == 8
+
+
+def test_the_suite_checks_array_shapes():
+    """The import hook is on (in every xdist worker too): a head_dim mismatch fails the annotation check."""
+    import jax.numpy as jnp
+    import jaxtyping
+
+    from eqmoe.nn.rope import apply_rope
+
+    with pytest.raises(jaxtyping.TypeCheckError):
+        apply_rope(jnp.zeros((5, 2, 8)), jnp.zeros((5, 6)), jnp.zeros((5, 6)))

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_mesh_cases_on_eight_simulated_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mesh_cases.py"]
+    command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/mesh_cases.py"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
