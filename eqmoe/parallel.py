@@ -54,9 +54,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 Logical = tuple[str | None, ...]
 
 
-def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
-    """``"data=2,expert=4"`` -> ``{"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}``. Axes not named are 1;
-    one axis may be ``-1``, the devices left over. The sizes must multiply to ``device_count``."""
+def mesh_sizes(spec: str) -> dict[str, int]:
+    """``"data=2,expert=-1"`` -> ``{"data": 2, "fsdp": 1, "expert": -1, "tensor": 1}``: the sizes as written
+    (axes not named are 1, at most one ``-1``), checked before any device is known."""
     sizes = dict.fromkeys(MESH_AXES, 1)
     named = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -74,9 +74,16 @@ def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
             raise ValueError(f"--mesh {spec!r}: size {size} of {name} is invalid; allowed: a positive integer or -1")
         sizes[name] = size
         named.add(name)
-    rest = [name for name, size in sizes.items() if size == -1]
-    if len(rest) > 1:
+    if sum(size == -1 for size in sizes.values()) > 1:
         raise ValueError(f"--mesh {spec!r}: only one axis may be -1")
+    return sizes
+
+
+def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
+    """``"data=2,expert=4"`` -> ``{"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}``. Axes not named are 1;
+    one axis may be ``-1``, the devices left over. The sizes must multiply to ``device_count``."""
+    sizes = mesh_sizes(spec)
+    rest = [name for name, size in sizes.items() if size == -1]
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         if device_count % known:

@@ -53,9 +53,7 @@ def collective_counts(hlo: str) -> dict[str, int]:
 def _step_and_state(config, parallelism):
     model = Transformer(config, key=jax.random.key(0))
     optimizer, schedule = make_optimizer(OptimizerConfig(), eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
-    state = parallel.shard(
-        init_state(parallel.shard(model, parallelism), optimizer, key=jax.random.key(1)), parallelism
-    )
+    state = init_state(model, optimizer, key=jax.random.key(1), parallelism=parallelism)
     return make_train_step(optimizer, schedule), state
 
 

@@ -53,10 +53,9 @@ class Args:
 
 
 def _devices_needed(meshes: tuple[str, ...]) -> int:
-    sizes = []
-    for spec in meshes:
-        sizes.append(math.prod(abs(int(part.split("=")[1])) for part in spec.split(",") if "=" in part) or 1)
-    return max(sizes)
+    from eqmoe.parallel import mesh_sizes  # imports JAX but starts no backend: XLA_FLAGS can still be set
+
+    return max(math.prod(abs(size) for size in mesh_sizes(spec).values()) for spec in meshes)
 
 
 def _gib(value: float | None) -> str:
@@ -140,13 +139,15 @@ def table(args: Args, rows: list[dict]) -> str:
 
 
 def main(args: Args) -> int:
-    needed = _devices_needed(args.mesh)
+    from experiments._cli import guarded
+
+    needed = guarded("plan", _devices_needed, args.mesh)
+    if needed is None:
+        return 2
     if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge._backends:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={needed}".strip()
-    from experiments._cli import guarded
-
     started = time.perf_counter()
     rows = guarded("plan", plan, args)
     if rows is None:

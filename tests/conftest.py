@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random Hugging Face Qwen3-MoE models written with ``save_pretrained``."""
 
 import gc
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,16 @@ def load_reference(folder: Path):
     return transformers.Qwen3MoeForCausalLM.from_pretrained(
         folder, attn_implementation="eager", experts_implementation="eager"
     ).eval()
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> str:
+    """SIGKILL ``process`` as soon as ``ready()``; its stderr."""
+    deadline = time.monotonic() + timeout
+    while not ready() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready(), process.communicate()[1][-3000:]
+    process.send_signal(signal.SIGKILL)
+    return process.communicate()[1]
 
 
 MAPPINGS = Path("/proc/self/maps")

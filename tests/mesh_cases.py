@@ -98,7 +98,7 @@ def test_train_step_keeps_the_state_sharded_and_matches_one_device():
     single, _ = step(_batch(None), init_state(copy, optimizer, key=jax.random.key(1)))
     p = parallel.make_parallelism("data=2,expert=4")
     with parallel.activate(p):
-        state = parallel.shard(init_state(parallel.shard(model, p), optimizer, key=jax.random.key(1)), p)
+        state = init_state(model, optimizer, key=jax.random.key(1), parallelism=p)
         split, _ = step(_batch(p), state)
     w_gate = split.model.segments[0].blocks[0].ffn.experts.w_gate
     assert w_gate.sharding.spec[1] == "expert"
@@ -113,7 +113,7 @@ def test_checkpoint_saved_on_one_mesh_restores_on_another_and_on_one_device(tmp_
     model = Transformer(config, key=jax.random.key(0))
     optimizer, _ = make_optimizer(OptimizerConfig(), eqx.filter(model, eqx.is_array), embed_dim=64)
     saved_on = parallel.make_parallelism("data=2,expert=4")
-    state = parallel.shard(init_state(parallel.shard(model, saved_on), optimizer, key=jax.random.key(1)), saved_on)
+    state = init_state(model, optimizer, key=jax.random.key(1), parallelism=saved_on)
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(1, state, {"note": "data=2,expert=4"})
     expected = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))]

@@ -6,10 +6,8 @@ import json
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import tyro
@@ -17,6 +15,7 @@ import tyro
 from eqmoe import presets
 from eqmoe.config import apply_overrides
 from experiments import ablate, pretrain
+from tests.conftest import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(
@@ -55,13 +54,7 @@ def test_killed_variant_resumes_and_finished_variants_are_skipped(tmp_path):
 
     out_dir = tmp_path / "killed"
     process = _ablate(out_dir)
-    checkpoint = out_dir / "baseline" / "checkpoints" / "8"
-    deadline = time.monotonic() + 240
-    while not checkpoint.is_dir() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert checkpoint.is_dir(), process.communicate()[1]
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_when(process, (out_dir / "baseline" / "checkpoints" / "8").is_dir)
     assert not (out_dir / "baseline" / "summary.json").exists()
 
     resumed = _ablate(out_dir)

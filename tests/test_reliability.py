@@ -3,13 +3,13 @@
 import ast
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from tests.conftest import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -62,16 +62,6 @@ def _flatten(tree, prefix=()):
         yield prefix, tree
 
 
-def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> str:
-    """SIGKILL ``process`` as soon as ``ready()``; its stderr."""
-    deadline = time.monotonic() + timeout
-    while not ready() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ready(), process.communicate()[1][-3000:]
-    process.send_signal(signal.SIGKILL)
-    return process.communicate()[1]
-
-
 def test_repeated_and_killed_runs_end_bit_identical(tmp_path):
     """The same command twice gives identical metrics and checkpoints; a run SIGKILLed mid-save and mid-step
     and resumed each time ends with the same parameters and metrics as an uninterrupted one."""
@@ -90,12 +80,12 @@ def test_repeated_and_killed_runs_end_bit_identical(tmp_path):
     def saving() -> bool:  # orbax writes a step under a temporary name and renames it when done
         return checkpoints.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in checkpoints.iterdir())
 
-    _kill_when(_pretrain(out), saving)  # killed while a checkpoint is being written (step 4, unless it was quick)
+    kill_when(_pretrain(out), saving)  # killed while a checkpoint is being written (step 4, unless it was quick)
     assert any(".orbax-checkpoint-tmp" in p.name for p in checkpoints.iterdir())  # the half-written step is left
     finished = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
     last = max(finished, default=None)
     target = min((last or 0) + 8, 12)
-    err = _kill_when(_pretrain(out, "--resume"), lambda: (checkpoints / str(target)).is_dir())  # then mid-step
+    err = kill_when(_pretrain(out, "--resume"), lambda: (checkpoints / str(target)).is_dir())  # then mid-step
     assert ("no checkpoint" in err) if last is None else (f"resumed from step {last}" in err)  # never the tmp
     err = _finish(_pretrain(out, "--resume"))
     assert f"resumed from step {target}" in err  # at most the steps since the last checkpoint are redone

@@ -9,13 +9,15 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
 
 - parameters ``P_local * 4`` (float32 storage; ``P_local`` from each leaf's local shard shape);
 - optimizer state ``2 * P_local * 4`` (Adam's two moments);
-- gradients ``P_local * 4``;
+- gradients and the optimizer's update ``2 * P_local * 4``;
 - activations kept for the backward pass, per layer and token (``remat="none"``):
-  attention ``c * (4 D + 2 (H + 2 Hkv) hd + H hd) + 4 * 2 H T`` (scores and probabilities in float32),
+  attention ``c * (4 D + 2 (H + 2 Hkv) hd + H hd) + 10 H T`` (float32 scores and probabilities, 8 H T, and
+  about 2 H T more XLA keeps beside them) plus ``c * 6 D`` of residual-stream copies (both calibrated on
+  XLA:CPU),
   MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
   ``c * (2 D + 3 M)``; plus the output layer ``4 * 3 V`` per token (logits, log-probabilities, gradient).
-  With ``remat="block"`` each layer keeps its input ``c * D`` per token and one unit's activations are live
-  during its recomputation;
+  With ``remat="block"`` each layer keeps its input ``c * D`` per token and about three quarters of one repeat
+  unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
 
 Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward matmuls; attention scores and

@@ -116,7 +116,7 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
             raise ValueError(f"--resume: the checkpoint in {out_dir} was trained with a different model config")
         print(f"resumed from step {latest}", file=sys.stderr)
     else:
-        state = parallel.shard(init_state(parallel.shard(model, parallelism), optimizer, key=key), parallelism)
+        state = init_state(model, optimizer, key=key, parallelism=parallelism)
     del model
     start = _int(state.step)
     primary = jax.process_index() == 0

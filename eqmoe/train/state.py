@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from eqmoe import parallel
 from eqmoe.model import Transformer
 
 
@@ -23,12 +24,20 @@ class TrainState(eqx.Module):
     key: PRNGKeyArray
 
 
-def init_state(model: Transformer, optimizer: optax.GradientTransformation, *, key: PRNGKeyArray) -> TrainState:
-    """A fresh state at step 0 for ``model``."""
+def init_state(
+    model: Transformer,
+    optimizer: optax.GradientTransformation,
+    *,
+    key: PRNGKeyArray,
+    parallelism: parallel.Parallelism | None = None,
+) -> TrainState:
+    """A fresh state at step 0 for ``model``, laid out on ``parallelism``'s mesh when one is given."""
+    model = parallel.shard(model, parallelism)  # the optimizer moments are then created beside their parameters
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     # Separate buffers: the train step donates the state, and one buffer cannot be donated twice.
     step, data_step = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
-    return TrainState(model=model, opt_state=opt_state, step=step, data_step=data_step, key=key)
+    state = TrainState(model=model, opt_state=opt_state, step=step, data_step=data_step, key=key)
+    return parallel.shard(state, parallelism)
 
 
 def abstract_state(model_fn, optimizer: optax.GradientTransformation, *, key: PRNGKeyArray) -> TrainState:
