@@ -38,6 +38,10 @@ class AttentionConfig:
     ``"interleaved"`` rotates pairs ``(2i, 2i+1)`` (AXLearn, GPT-J).
     ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys ``"before_rope"`` (HF Qwen3, MaxText Envy)
     or ``"after_rope"`` (AXLearn Envy, where the query scale ``head_dim^-0.5`` follows the norm).
+    ``backend`` computes the scores (every backend gives the same numbers): ``"blockwise"`` is flash-style
+    attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
+    reference that materialises every score; ``"cudnn"`` is cuDNN's fused kernel (GPU, half precision,
+    plain causal masks); ``"auto"`` picks ``cudnn`` where it applies and ``blockwise`` elsewhere.
     """
 
     num_heads: int
@@ -46,10 +50,13 @@ class AttentionConfig:
     rope_theta: float = 1e6
     rope_layout: Literal["half_split", "interleaved"] = "half_split"
     qk_norm: Literal["none", "before_rope", "after_rope"] = "before_rope"
+    backend: Literal["auto", "blockwise", "dense", "cudnn"] = "auto"
+    block_size: int = 256
 
     def __post_init__(self):
         _positive(
             "AttentionConfig",
+            block_size=self.block_size,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
@@ -71,6 +78,7 @@ class AttentionConfig:
         )
         _one_of("AttentionConfig", "rope_layout", self.rope_layout, ("half_split", "interleaved"))
         _one_of("AttentionConfig", "qk_norm", self.qk_norm, ("none", "before_rope", "after_rope"))
+        _one_of("AttentionConfig", "backend", self.backend, ("auto", "blockwise", "dense", "cudnn"))
 
 
 @dataclass(frozen=True)

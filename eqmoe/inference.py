@@ -35,7 +35,7 @@ def init_cache(model: Transformer, batch: int, max_len: int, dtype: str | None =
     """An empty :class:`KVCache` with ``max_len`` slots per row, in ``dtype`` (default: the compute dtype).
 
     Each segment gets one ``LayerCache`` per block of its unit, leaves shaped
-    ``[repeats, batch, max_len, kv_heads, head_dim]``.
+    ``[repeats, batch, kv_heads, max_len, head_dim]``.
     """
     if batch < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
@@ -44,7 +44,7 @@ def init_cache(model: Transformer, batch: int, max_len: int, dtype: str | None =
     dtype = jnp.dtype(dtype or config.dtype)
 
     def empty(repeats: int) -> LayerCache:
-        shape = (repeats, batch, max_len, attn.num_kv_heads, attn.head_dim)
+        shape = (repeats, batch, attn.num_kv_heads, max_len, attn.head_dim)
         return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     layers = tuple(tuple(empty(segment.repeats) for _ in segment.unit) for segment in config.layers)

@@ -9,7 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.config import ModelConfig
-from eqmoe.nn.attention import LayerCache, attention_mask
+from eqmoe.nn.attention import LayerCache, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.block import model_init
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import rope_tables
@@ -21,7 +21,7 @@ class KVCache(eqx.Module):
     """Keys and values of every attention block for autoregressive decoding (see ``eqmoe.inference``).
 
     ``layers[s][j]`` belongs to block ``j`` of segment ``s``'s repeat unit; its leaves are
-    ``[repeats, batch, max_len, kv_heads, head_dim]``, stacked like the parameters, so each segment's
+    ``[repeats, batch, kv_heads, max_len, head_dim]``, stacked like the parameters, so each segment's
     scan runs over its parameters and its cache together. Slots are written in order: ``index`` is
     the next free slot (the same for every row) and ``valid[b, t]`` marks slots holding a real token
     (false for slots not yet written and for padding). Build one with ``eqmoe.inference.init_cache``.
@@ -98,6 +98,7 @@ class Transformer(eqx.Module):
     ) -> ModelOutput:
         model = self.cast(self.config.dtype)
         batch, seq = tokens.shape
+        given_mask = token_mask
         if token_mask is None:
             token_mask = jnp.ones((batch, seq), bool)
         if cache is not None:
@@ -113,14 +114,15 @@ class Transformer(eqx.Module):
             if positions is None:
                 seen = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)[:, None]
                 positions = jnp.maximum(seen + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1, 0)
-            slots = cache.index + jnp.arange(seq, dtype=jnp.int32)
-            mask = (jnp.arange(cache.max_len, dtype=jnp.int32) <= slots[:, None])[None] & valid[:, None, :]
+            mask = cache_mask(cache.index, seq, valid)
         else:
-            if segment_ids is None:
-                segment_ids = jnp.zeros((batch, seq), jnp.int32)
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-            mask = attention_mask(segment_ids, token_mask)
+            if segment_ids is None and given_mask is None:
+                mask = causal_mask(batch, seq)
+            else:
+                segments = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+                mask = attention_mask(segments, token_mask)
 
         attn = self.config.attention
         cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout)

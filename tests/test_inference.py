@@ -107,7 +107,7 @@ def test_prefill_equals_the_uncached_forward_with_capacity_drops_and_an_unrolled
     np.testing.assert_allclose(cached.aux.dropped, full.aux.dropped)
     repeats = ENVY.layers[0].repeats
     for leaf in jax.tree.leaves(cached.cache.layers):  # one (keys, values) per block of the (dense, moe) unit
-        assert leaf.shape == (repeats, 2, 11, ENVY.attention.num_kv_heads, ENVY.attention.head_dim)
+        assert leaf.shape == (repeats, 2, ENVY.attention.num_kv_heads, 11, ENVY.attention.head_dim)
     assert len(cached.cache.layers) == 1 and len(cached.cache.layers[0]) == 2
     assert int(cached.cache.index) == 8 and cached.cache.valid[:, :8].all() and not cached.cache.valid[:, 8:].any()
 

@@ -1,6 +1,6 @@
 """Building blocks of the decoder, one concept per module."""
 
-from eqmoe.nn.attention import Attention, attention_mask
+from eqmoe.nn.attention import Attention, AttentionMask, attention_mask, causal_mask
 from eqmoe.nn.block import Block
 from eqmoe.nn.dispatch import Experts
 from eqmoe.nn.mlp import SwiGLU
@@ -12,6 +12,7 @@ from eqmoe.nn.stack import RepeatedUnit
 
 __all__ = [
     "Attention",
+    "AttentionMask",
     "Block",
     "Experts",
     "MoE",
@@ -23,6 +24,7 @@ __all__ = [
     "SwiGLU",
     "apply_rope",
     "attention_mask",
+    "causal_mask",
     "rope_tables",
     "router_stats",
     "softmax_top_k",

@@ -7,7 +7,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import BlockKind, ModelConfig
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import Attention, LayerCache
+from eqmoe.nn.attention import Attention, AttentionMask, LayerCache
 from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.norm import RMSNorm
@@ -59,7 +59,7 @@ class Block(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
-        mask: Bool[Array, "batch seq seq"],
+        mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
@@ -71,7 +71,7 @@ class Block(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
-        mask: Bool[Array, "batch seq max_len"],
+        mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         cache: LayerCache,
         index: Int[Array, ""],

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import ModelConfig, Segment
-from eqmoe.nn.attention import LayerCache
+from eqmoe.nn.attention import AttentionMask, LayerCache
 from eqmoe.nn.block import Block
 from eqmoe.nn.router import RouterStats
 
@@ -27,7 +27,7 @@ class RepeatedUnit(eqx.Module):
     depth. ``scan=False`` runs the same parameters in a Python loop (a check and a debugging aid).
 
     With a KV cache (:meth:`decode`) the cache holds one :class:`LayerCache` per block of the unit, each
-    leaf ``[repeats, batch, max_len, kv_heads, head_dim]`` like the parameters; the scan runs over the
+    leaf ``[repeats, batch, kv_heads, max_len, head_dim]`` like the parameters; the scan runs over the
     unit's parameters and its cache together and returns the updated cache as a scan output.
     """
 
@@ -51,7 +51,7 @@ class RepeatedUnit(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
-        mask: Bool[Array, "batch seq seq"],
+        mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
@@ -67,7 +67,7 @@ class RepeatedUnit(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
-        mask: Bool[Array, "batch seq max_len"],
+        mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         cache: tuple[LayerCache, ...],
         index: Int[Array, ""],

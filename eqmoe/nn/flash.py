@@ -1,0 +1,226 @@
+"""Blockwise (flash-style) attention: memory linear in sequence length, hidden blocks skipped.
+
+Queries and keys are cut into blocks. For each query block a loop over the key blocks it can see keeps a
+running maximum ``m``, normaliser ``l`` and output accumulator (the online softmax of FlashAttention), so
+no ``[queries, keys]`` matrix is ever held beyond one ``[block, block]`` tile. Which tiles are computed
+comes from the mask description (:class:`eqmoe.nn.attention.AttentionMask`): a tile whose keys are all
+in the causal future of its queries, all padding, or all in other packed documents is never visited,
+so causal attention costs about half of full attention and packed short documents less still.
+
+The backward pass (a custom VJP, FlashAttention-2's) saves only the output and the log-sum-exp of each
+query row and recomputes every tile's probabilities: one loop over key blocks accumulates that block's
+key and value gradients while adding each tile's query gradient into place.
+
+Layout: queries ``[batch, kv_heads, group, queries, head_dim]`` (query head ``h = n * group + i`` reads
+key/value head ``n``, as HF's ``repeat_kv``), keys and values ``[batch, kv_heads, keys, head_dim]``.
+Scores, the softmax and all accumulators are float32; matmul inputs stay in the compute dtype.
+A query that sees no key at all (left padding) gets output 0.
+"""
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+_FAR = 2**30  # an index or segment id no real token has
+
+
+class _Blocks(NamedTuple):
+    """The padded mask description, cut into blocks, and which (query block, key block) tiles to visit."""
+
+    query_index: Int[Array, "q_blocks q_block"]
+    key_index: Int[Array, "k_blocks k_block"]
+    query_segment: Int[Array, "batch q_blocks q_block"]
+    key_segment: Int[Array, "batch k_blocks k_block"]
+    key_valid: Bool[Array, "batch k_blocks k_block"]
+    live: Bool[Array, "q_blocks k_blocks"]
+
+
+def _pad(x: Array, length: int, axis: int, value) -> Array:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _blocks(mask, q_len: int, k_len: int, block_q: int, block_k: int) -> _Blocks:
+    """Pad the mask's per-token arrays to whole blocks and find the tiles that hold any visible pair.
+
+    A tile is live when its earliest key is not after its latest query (causality) and, in some row of
+    the batch, the segment ids of its valid keys and of its queries overlap as ranges: exact for packed
+    rows (non-decreasing ids), conservative otherwise.
+    """
+    batch = mask.query_segment.shape[0]
+    nq, nk = q_len // block_q, k_len // block_k
+    query_index = _pad(mask.query_index, q_len, 0, -1).reshape(nq, block_q)
+    key_index = _pad(mask.key_index, k_len, 0, _FAR).reshape(nk, block_k)
+    query_real = _pad(jnp.ones_like(mask.query_segment, bool), q_len, 1, False).reshape(batch, nq, block_q)
+    query_segment = _pad(mask.query_segment, q_len, 1, -_FAR).reshape(batch, nq, block_q)
+    key_valid = _pad(mask.key_valid, k_len, 1, False).reshape(batch, nk, block_k)
+    key_segment = _pad(mask.key_segment, k_len, 1, _FAR).reshape(batch, nk, block_k)
+
+    q_lo = jnp.min(jnp.where(query_real, query_segment, _FAR), axis=2)
+    q_hi = jnp.max(jnp.where(query_real, query_segment, -_FAR), axis=2)
+    k_lo = jnp.min(jnp.where(key_valid, key_segment, _FAR), axis=2)
+    k_hi = jnp.max(jnp.where(key_valid, key_segment, -_FAR), axis=2)
+    overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+    causal = jnp.min(key_index, axis=1)[None, :] <= jnp.max(query_index, axis=1)[:, None]
+    live = causal & jnp.any(overlap, axis=0)
+    return _Blocks(query_index, key_index, query_segment, key_segment, key_valid, live)
+
+
+def _bounds(live: Bool[Array, "outer inner"]) -> tuple[Int[Array, " outer"], Int[Array, " outer"]]:
+    """For each row of ``live``, the range ``[lo, hi)`` from its first to its last true entry (empty if none)."""
+    inner = live.shape[1]
+    lo = jnp.argmax(live, axis=1).astype(jnp.int32)
+    hi = (inner - jnp.argmax(live[:, ::-1], axis=1)).astype(jnp.int32)
+    return lo, jnp.where(jnp.any(live, axis=1), hi, lo)
+
+
+def _visible(blocks: _Blocks, i, j) -> Bool[Array, "batch 1 1 q_block k_block"]:
+    """The exact mask of tile ``(i, j)``, broadcast over kv heads and the query group."""
+    causal = blocks.key_index[j][None, :] <= blocks.query_index[i][:, None]
+    same = blocks.query_segment[:, i, :, None] == blocks.key_segment[:, j, None, :]
+    return (causal[None] & same & blocks.key_valid[:, j, None, :])[:, None, None]
+
+
+def _tile_scores(q_tile, k_tile, scale: float):
+    """``scale * q k^T`` in float32: ``[batch, kv_heads, group, q_block, k_block]``."""
+    return jnp.einsum("bngqd,bnkd->bngqk", q_tile, k_tile, preferred_element_type=jnp.float32) * scale
+
+
+def _slice(x: Array, start, size: int, axis: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, start * size, size, axis)
+
+
+def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int):
+    batch, kv_heads, group, _, head_dim = q.shape
+    nq, nk = blocks.live.shape
+    lo, hi = _bounds(blocks.live)
+
+    def query_block(_, i):
+        q_tile = _slice(q, i, block_q, 3)
+        shape = (batch, kv_heads, group, block_q)
+
+        def key_block(j, carry):
+            def compute(carry):
+                m, l, acc = carry
+                scores = _tile_scores(q_tile, _slice(k, j, block_k, 2), scale)
+                scores = jnp.where(_visible(blocks, i, j), scores, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(scores - shift[..., None])
+                correction = jnp.exp(m - shift)
+                pv = jnp.einsum(
+                    "bngqk,bnkd->bngqd", p.astype(v.dtype), _slice(v, j, block_k, 2), preferred_element_type=jnp.float32
+                )
+                return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+
+            return jax.lax.cond(blocks.live[i, j], compute, lambda carry: carry, carry)
+
+        init = (
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(lo[i], hi[i], key_block, init)
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+        return None, (out, lse)
+
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(nq))
+    # [q_blocks, batch, kv_heads, group, q_block, ...] -> [batch, kv_heads, group, queries, ...]
+    out = jnp.moveaxis(out, 0, 3).reshape(q.shape)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1])
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: int, block_k: int):
+    nq, nk = blocks.live.shape
+    lo, hi = _bounds(blocks.live.T)
+    # D_i = sum_d dO_i * O_i: the row term of the softmax gradient.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+    def key_block(d_q, j):
+        k_tile, v_tile = _slice(k, j, block_k, 2), _slice(v, j, block_k, 2)
+
+        def query_block(i, carry):
+            def compute(carry):
+                d_q, d_k, d_v = carry
+                q_tile, d_out_tile = _slice(q, i, block_q, 3), _slice(d_out, i, block_q, 3)
+                scores = _tile_scores(q_tile, k_tile, scale)
+                lse_tile = _slice(lse, i, block_q, 3)
+                p = jnp.where(_visible(blocks, i, j), jnp.exp(scores - lse_tile[..., None]), 0.0)
+                d_v = d_v + jnp.einsum(
+                    "bngqk,bngqd->bnkd", p.astype(d_out.dtype), d_out_tile, preferred_element_type=jnp.float32
+                )
+                d_p = jnp.einsum("bngqd,bnkd->bngqk", d_out_tile, v_tile, preferred_element_type=jnp.float32)
+                d_s = (p * (d_p - _slice(delta, i, block_q, 3)[..., None]) * scale).astype(q.dtype)
+                d_q_tile = _slice(d_q, i, block_q, 3) + jnp.einsum(
+                    "bngqk,bnkd->bngqd", d_s, k_tile, preferred_element_type=jnp.float32
+                )
+                d_q = jax.lax.dynamic_update_slice_in_dim(d_q, d_q_tile, i * block_q, 3)
+                d_k = d_k + jnp.einsum("bngqk,bngqd->bnkd", d_s, q_tile, preferred_element_type=jnp.float32)
+                return d_q, d_k, d_v
+
+            return jax.lax.cond(blocks.live[i, j], compute, lambda carry: carry, carry)
+
+        zeros = jnp.zeros(k_tile.shape, jnp.float32)
+        d_q, d_k, d_v = jax.lax.fori_loop(lo[j], hi[j], query_block, (d_q, zeros, zeros))
+        return d_q, (d_k, d_v)
+
+    d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
+    d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)
+    d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int):
+    return _forward(q, k, v, blocks, scale, block_q, block_k)[0]
+
+
+def _attention_fwd(q, k, v, blocks, scale, block_q, block_k):
+    out, lse = _forward(q, k, v, blocks, scale, block_q, block_k)
+    return out, (q, k, v, out, lse, blocks)
+
+
+def _attention_bwd(scale, block_q, block_k, residuals, d_out):
+    q, k, v, out, lse, blocks = residuals
+    d_q, d_k, d_v = _backward(q, k, v, out, lse, d_out, blocks, scale, block_q, block_k)
+    return d_q, d_k, d_v, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _block_length(length: int, block: int) -> tuple[int, int]:
+    """The block size for ``length`` tokens (one block when they fit) and the padded length."""
+    size = min(block, length)
+    return size, -(-length // size) * size
+
+
+def blockwise_attention(
+    q: Float[Array, "batch kv_heads group queries head_dim"],
+    k: Float[Array, "batch kv_heads keys head_dim"],
+    v: Float[Array, "batch kv_heads keys head_dim"],
+    mask,
+    *,
+    scale: float,
+    block_size: int,
+) -> Float[Array, "batch kv_heads group queries head_dim"]:
+    """``softmax(scale * q k^T + mask) v`` computed tile by tile (see the module docstring).
+
+    ``mask`` is an :class:`eqmoe.nn.attention.AttentionMask`; sequence lengths need not be multiples of
+    ``block_size`` (the last block is padded with tokens no one sees).
+    """
+    q_len, k_len = q.shape[3], k.shape[2]
+    block_q, q_padded = _block_length(q_len, block_size)
+    block_k, k_padded = _block_length(k_len, block_size)
+    blocks = _blocks(mask, q_padded, k_padded, block_q, block_k)
+    out = _attention(
+        _pad(q, q_padded, 3, 0), _pad(k, k_padded, 2, 0), _pad(v, k_padded, 2, 0), blocks, scale, block_q, block_k
+    )
+    return out[:, :, :, :q_len]
