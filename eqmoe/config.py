@@ -193,7 +193,7 @@ class MoEConfig:
     router: RouterConfig
     expert_dim: int
     dispatch: Literal["dense", "sorted", "ragged_dot", "capacity", "auto"] = "auto"
-    block_size: int = 128
+    block_size: int = 64
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)

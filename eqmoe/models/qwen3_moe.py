@@ -32,7 +32,7 @@ def _qwen3_moe(
     tie: bool = False,
     renormalize: bool = True,
     eps: float = 1e-6,
-    block_size: int = 128,
+    block_size: int = 64,
     aux_coef: float = 0.001,
 ) -> ModelConfig:
     return ModelConfig(

@@ -1,15 +1,21 @@
-"""Grouped expert SwiGLU over row blocks sorted by expert, with a hand-written backward pass.
+"""Grouped expert SwiGLU over rows sorted by expert, with a hand-written backward pass.
 
-The rows arrive as ``[blocks, block_size, embed]``; every row of block ``n`` belongs to expert
-``block_experts[n]``. A ``lax.scan`` over the blocks runs one ``[block_size, embed] x [embed, expert_dim]``
-matmul per weight with that expert's weights read in place, so no ``[blocks, embed, expert_dim]`` copy
-of the weights is ever made. Blocks at or past ``used_blocks`` are all padding and skipped.
+The rows arrive as one ``[rows, embed]`` buffer in which expert ``e`` owns the ``group_rows[e]`` rows from
+``group_start[e]`` on (both multiples of ``tile``; the layout pads each group). An outer ``lax.scan`` over
+the experts takes one expert's weights at a time, and inner loops run that expert's rows in tiles:
+as many ``wide``-row tiles as fit, then ``tile``-row ones for the rest, so most rows go through large,
+efficient matmuls while a group is padded by less than ``tile`` rows. Gate and up projections are one
+``[embed, 2 * expert_dim]`` matmul. Each expert's weights are read once per layer (on XLA:CPU a weight
+slice taken inside a loop is a copy), and rows no expert owns (the tail of the static buffer) are
+never visited and stay zero.
 
-Why a custom VJP: differentiating ``w[block_experts[n]]`` inside the scan makes JAX add a full
-``[experts, embed, expert_dim]`` zero-padded gradient into the accumulator on every block. The backward
-here is a second scan that adds each block's ``[embed, expert_dim]`` gradient into its expert's slice of
-the accumulator in place.
+Why a custom VJP: differentiating the weight slice inside the loop would make JAX add a full
+``[experts, embed, expert_dim]`` zero-padded gradient per tile. The backward pass mirrors the forward:
+per expert, its tiles' weight gradients are summed in a local accumulator that becomes that expert's
+row of the stacked gradient.
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,77 +29,93 @@ def _silu_and_grad(gate: Array) -> tuple[Array, Array]:
     return (g * sigmoid).astype(gate.dtype), (sigmoid * (1 + g * (1 - sigmoid))).astype(jnp.float32)
 
 
-def _forward_block(x, w_gate, w_up, w_down):
-    gate, up = x @ w_gate, x @ w_up
-    silu_gate, _ = _silu_and_grad(gate)
-    return (silu_gate * up) @ w_down, gate, up
+def _over_tiles(start, size, tile: int, wide: int, body, carry):
+    """``body(offset, rows, carry)`` over rows ``start .. start + size``: ``wide``-row tiles, then ``tile``-row."""
+    num_wide = size // wide
+    carry = jax.lax.fori_loop(0, num_wide, lambda i, c: body(start + i * wide, wide, c), carry)
+    rest = start + num_wide * wide
+    num_narrow = (size - num_wide * wide) // tile
+    return jax.lax.fori_loop(0, num_narrow, lambda i, c: body(rest + i * tile, tile, c), carry)
 
 
-@jax.custom_vjp
+def _take(x: Array, offset, rows: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, offset, rows, 0)
+
+
+def _put(x: Array, update: Array, offset) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), offset, 0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def grouped_swiglu(
-    rows: Float[Array, "blocks block embed"],
+    rows: Float[Array, "rows embed"],
     w_gate: Float[Array, "experts embed expert_dim"],
     w_up: Float[Array, "experts embed expert_dim"],
     w_down: Float[Array, "experts expert_dim embed"],
-    block_experts: Int[Array, " blocks"],
-    used_blocks: Int[Array, ""],
-) -> Float[Array, "blocks block embed"]:
-    """``down(silu(x @ gate) * (x @ up))`` of each row with its block's expert's weights."""
-    return _grouped_forward(rows, w_gate, w_up, w_down, block_experts, used_blocks)[0]
+    group_start: Int[Array, " experts"],
+    group_rows: Int[Array, " experts"],
+    tile: int,
+    wide: int,
+) -> Float[Array, "rows embed"]:
+    """``down(silu(x @ gate) * (x @ up))`` of each row with its group's expert's weights."""
+    return _forward(rows, w_gate, w_up, w_down, group_start, group_rows, tile, wide, keep_hidden=False)[0]
 
 
-def _grouped_forward(rows, w_gate, w_up, w_down, block_experts, used_blocks):
-    block, expert_dim = rows.shape[1], w_gate.shape[2]
+def _forward(rows, w_gate, w_up, w_down, group_start, group_rows, tile, wide, *, keep_hidden: bool):
+    """The output rows and (with ``keep_hidden``, for the backward pass) every row's gate and up
+    pre-activations. A loop cannot drop a buffer it carries, so inference does not carry one."""
+    expert_dim = w_gate.shape[2]
 
-    def step(_, inputs):
-        n, x, e = inputs
+    def expert(buffers, inputs):
+        wg, wu, wd, start, size = inputs
+        w_gate_up = jnp.concatenate([wg, wu], axis=1)
 
-        def compute(x):
-            return _forward_block(x, w_gate[e], w_up[e], w_down[e])
+        def run_tile(offset, count, buffers):
+            gate_up = _take(rows, offset, count) @ w_gate_up
+            silu_gate, _ = _silu_and_grad(gate_up[:, :expert_dim])
+            out = _put(buffers[0], (silu_gate * gate_up[:, expert_dim:]) @ wd, offset)
+            return (out, _put(buffers[1], gate_up, offset)) if keep_hidden else (out,)
 
-        def skip(x):
-            zeros = jnp.zeros((block, expert_dim), x.dtype)
-            return jnp.zeros_like(x), zeros, zeros
+        return _over_tiles(start, size, tile, wide, run_tile, buffers), None
 
-        return None, jax.lax.cond(n < used_blocks, compute, skip, x)
-
-    index = jnp.arange(rows.shape[0])
-    _, (out, gate, up) = jax.lax.scan(step, None, (index, rows, block_experts))
-    return out, gate, up
-
-
-def _grouped_fwd(rows, w_gate, w_up, w_down, block_experts, used_blocks):
-    out, gate, up = _grouped_forward(rows, w_gate, w_up, w_down, block_experts, used_blocks)
-    return out, (rows, gate, up, w_gate, w_up, w_down, block_experts, used_blocks)
+    init = (jnp.zeros_like(rows),)
+    if keep_hidden:
+        init += (jnp.zeros((rows.shape[0], 2 * expert_dim), rows.dtype),)
+    buffers, _ = jax.lax.scan(expert, init, (w_gate, w_up, w_down, group_start, group_rows))
+    return buffers
 
 
-def _grouped_bwd(residuals, d_out):
-    rows, gate, up, w_gate, w_up, w_down, block_experts, used_blocks = residuals
+def _grouped_fwd(rows, w_gate, w_up, w_down, group_start, group_rows, tile, wide):
+    out, gate_up = _forward(rows, w_gate, w_up, w_down, group_start, group_rows, tile, wide, keep_hidden=True)
+    return out, (rows, gate_up, w_gate, w_up, w_down, group_start, group_rows)
 
-    def step(grads, inputs):
-        n, x, g, u, dy, e = inputs
 
-        def compute(grads):
-            d_gate_w, d_up_w, d_down_w = grads
+def _grouped_bwd(tile, wide, residuals, d_out):
+    rows, gate_up, w_gate, w_up, w_down, group_start, group_rows = residuals
+    expert_dim = w_gate.shape[2]
+
+    def expert(d_rows, inputs):
+        wg, wu, wd, start, size = inputs
+        w_gate_up = jnp.concatenate([wg, wu], axis=1)
+
+        def run_tile(offset, count, carry):
+            d_rows, d_w_gate_up, d_wd = carry
+            x, dy, h = _take(rows, offset, count), _take(d_out, offset, count), _take(gate_up, offset, count)
+            g, u = h[:, :expert_dim], h[:, expert_dim:]
             silu_gate, silu_grad = _silu_and_grad(g)
-            hidden = silu_gate * u
-            d_hidden = dy @ w_down[e].T
+            d_hidden = dy @ wd.T
             d_g = (d_hidden.astype(jnp.float32) * u.astype(jnp.float32) * silu_grad).astype(g.dtype)
-            d_u = d_hidden * silu_gate
-            d_x = d_g @ w_gate[e].T + d_u @ w_up[e].T
-            d_gate_w = d_gate_w.at[e].add(x.T @ d_g)
-            d_up_w = d_up_w.at[e].add(x.T @ d_u)
-            d_down_w = d_down_w.at[e].add(hidden.T @ dy)
-            return (d_gate_w, d_up_w, d_down_w), d_x
+            d_gate_up = jnp.concatenate([d_g, d_hidden * silu_gate], axis=1)
+            d_rows = _put(d_rows, d_gate_up @ w_gate_up.T, offset)
+            return d_rows, d_w_gate_up + x.T @ d_gate_up, d_wd + (silu_gate * u).T @ dy
 
-        def skip(grads):
-            return grads, jnp.zeros_like(x)
+        init = (d_rows, jnp.zeros_like(w_gate_up), jnp.zeros_like(wd))
+        d_rows, d_w_gate_up, d_wd = _over_tiles(start, size, tile, wide, run_tile, init)
+        return d_rows, (d_w_gate_up[:, :expert_dim], d_w_gate_up[:, expert_dim:], d_wd)
 
-        return jax.lax.cond(n < used_blocks, compute, skip, grads)
-
-    zeros = (jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down))
-    index = jnp.arange(rows.shape[0])
-    (d_gate_w, d_up_w, d_down_w), d_rows = jax.lax.scan(step, zeros, (index, rows, gate, up, d_out, block_experts))
+    d_rows, (d_gate_w, d_up_w, d_down_w) = jax.lax.scan(
+        expert, jnp.zeros_like(rows), (w_gate, w_up, w_down, group_start, group_rows)
+    )
     return d_rows, d_gate_w, d_up_w, d_down_w, None, None
 
 
