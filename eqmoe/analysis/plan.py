@@ -11,18 +11,22 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
 - optimizer state ``2 * P_local * 4`` (Adam's two moments);
 - gradients and the optimizer's update ``2 * P_local * 4``;
 - activations kept for the backward pass, per layer and token (``remat="none"``):
-  attention ``c * (4 D + 2 (H + 2 Hkv) hd + H hd) + 10 H T`` (float32 scores and probabilities, 8 H T, and
-  about 2 H T more XLA keeps beside them) plus ``c * 6 D`` of residual-stream copies (both calibrated on
-  XLA:CPU),
+  attention ``c * (4 D + 2 (H + 2 Hkv) hd + H hd) + 4 H`` (projections, the output and the float32
+  log-sum-exp the blockwise backward pass starts from) plus ``c * 6 D`` of residual-stream copies
+  (calibrated on XLA:CPU); the ``dense`` attention backend keeps ``10 H T`` more (float32 scores and
+  probabilities, 8 H T, and about 2 H T more XLA keeps beside them). Blockwise attention adds, once per
+  step, its float32 query-gradient buffer ``4 H hd`` per token and about one float32 ``[rows, H, B, B]`` tile;
   MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
   ``c * (2 D + 3 M)``; plus the output layer ``4 * 3 V`` per token (logits, log-probabilities, gradient).
   With ``remat="block"`` each layer keeps its input ``c * D`` per token and about three quarters of one repeat
   unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
 
-Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward matmuls; attention scores and
-values counted over the full ``T``, as the causal mask is not exploited), with ``N_active`` the parameters
-a token touches (embedding lookup excluded): its top-k experts only.
+Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward matmuls, attention scores and
+values counted over the full ``T``), with ``N_active`` the parameters a token touches (embedding lookup
+excluded): its top-k experts only. Blockwise attention computes only the causal tiles, a fraction
+``(n + 1) / 2n`` of them for ``n`` blocks, but recomputes the scores in its backward pass: its attention
+term is ``14 L_attn H hd T (n + 1) / 2n``.
 """
 
 import math
@@ -97,7 +101,9 @@ def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int)
     attn = config.attention
     heads, kv = _split(attn.num_heads, tp), _split(attn.num_kv_heads, tp)
     d, hd = config.embed_dim, attn.head_dim
-    attention = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 10 * heads * seq + c * _RESIDUAL_COPIES * d
+    attention = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 4 * heads + c * _RESIDUAL_COPIES * d
+    blockwise = attn.backend != "dense"
+    attention += 0 if blockwise else 10 * heads * seq
     per_kind = {"dense": c * (2 * d + 3 * _split(config.mlp_dim or 0, tp))}
     if config.moe is not None:
         per_kind["moe"] = _moe_bytes_per_token(config, p, tokens, c)
@@ -112,6 +118,9 @@ def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int)
         kept = sum(layers)
     output_layer = 4 * 3 * _split(config.vocab_size, tp)
     activations = tokens * (kept + output_layer)
+    if blockwise:
+        tile = min(attn.block_size, seq)
+        activations += tokens * 4 * heads * hd + 4 * rows * heads * tile * tile
     return Memory(
         parameters=4 * params,
         optimizer=2 * 4 * params,
@@ -215,5 +224,9 @@ def active_parameters(config: ModelConfig) -> tuple[int, int]:
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
     """``(total-parameter, active-parameter)`` training FLOPs per token (see the module docstring)."""
     total, active = active_parameters(config)
-    attention = 12 * config.num_layers * config.attention.num_heads * config.attention.head_dim * seq
+    attn = config.attention
+    attention = 12 * config.num_layers * attn.num_heads * attn.head_dim * seq
+    if attn.backend != "dense":
+        blocks = -(-seq // min(attn.block_size, seq))
+        attention = attention * 14 / 12 * (blocks + 1) / (2 * blocks)
     return float(6 * total + attention), float(6 * active + attention)
