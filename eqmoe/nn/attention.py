@@ -199,7 +199,9 @@ class Attention(eqx.Module):
         q = q.reshape(batch, seq, kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def _attend(self, q: Queries, k: KeysOrValues, v: KeysOrValues, mask: AttentionMask) -> Float[Array, "batch seq embed"]:
+    def _attend(
+        self, q: Queries, k: KeysOrValues, v: KeysOrValues, mask: AttentionMask
+    ) -> Float[Array, "batch seq embed"]:
         batch, _, _, seq, _ = q.shape
         scale = 1.0 if self.config.qk_norm == "after_rope" else q.shape[-1] ** -0.5
         backend = _resolve(self.config, mask, q.dtype)

@@ -105,7 +105,7 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int)
 
         def key_block(j, carry):
             def compute(carry):
-                m, l, acc = carry
+                m, denom, acc = carry
                 scores = _tile_scores(q_tile, _slice(k, j, block_k, 2), scale)
                 scores = jnp.where(_visible(blocks, i, j), scores, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
@@ -115,7 +115,7 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int)
                 pv = jnp.einsum(
                     "bngqk,bnkd->bngqd", p.astype(v.dtype), _slice(v, j, block_k, 2), preferred_element_type=jnp.float32
                 )
-                return m_new, l * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+                return m_new, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
 
             return jax.lax.cond(blocks.live[i, j], compute, lambda carry: carry, carry)
 
@@ -124,10 +124,10 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int)
             jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(lo[i], hi[i], key_block, init)
-        seen = l > 0
-        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0).astype(q.dtype)
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+        m, denom, acc = jax.lax.fori_loop(lo[i], hi[i], key_block, init)
+        seen = denom > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0).astype(q.dtype)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
         return None, (out, lse)
 
     _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(nq))
