@@ -48,12 +48,12 @@ def dense(
 
 class BlockLayout(NamedTuple):
     """Where each token slot goes when the slots are sorted by expert and every expert's group is padded
-    to whole blocks: ``slot_rows[t, j]`` is the row of token ``t``'s ``j``-th slot, ``row_tokens[r]`` the
-    token in row ``r`` (``tokens`` for padding), and expert ``e`` owns the ``group_rows[e]`` rows from
-    ``group_start[e]`` on."""
+    to whole blocks: ``slot_rows[t, j]`` is the row of token ``t``'s ``j``-th slot, ``row_slots[r]`` the
+    slot ``t * top_k + j`` in row ``r`` (``tokens * top_k`` for padding), and expert ``e`` owns the
+    ``group_rows[e]`` rows from ``group_start[e]`` on."""
 
     slot_rows: Int[Array, "tokens top_k"]
-    row_tokens: Int[Array, " rows"]
+    row_slots: Int[Array, " rows"]
     group_start: Int[Array, " experts"]
     group_rows: Int[Array, " experts"]
 
@@ -74,15 +74,55 @@ def block_layout(experts: Int[Array, "tokens top_k"], num_experts: int, block_si
     sorted_rows = padded_starts[sorted_experts] + jnp.arange(slots) - group_starts[sorted_experts]
     return BlockLayout(
         slot_rows=jnp.zeros(slots, jnp.int32).at[order].set(sorted_rows).reshape(tokens, top_k),
-        row_tokens=jnp.full(num_rows, tokens, jnp.int32).at[sorted_rows].set(order // top_k),
+        row_slots=jnp.full(num_rows, slots, jnp.int32).at[sorted_rows].set(order),
         group_start=padded_starts.astype(jnp.int32),
         group_rows=padded_sizes.astype(jnp.int32),
     )
 
 
 # Rows per tile when an expert has that many: larger matmuls run faster per FLOP on CPU, while groups
-# are padded only to ``block_size`` (measured on 2 cores: block 64 with 512-row tiles beat 128 or 256 alone).
+# are padded only to ``block_size`` (measured on 2 cores: block 64 with tiles up to 512 rows beat 128 or 256
+# alone).
 _WIDE_TILE_ROWS = 512
+
+
+@jax.custom_vjp
+def _slot_rows_of(x: Float[Array, "tokens embed"], layout: BlockLayout) -> Float[Array, "rows embed"]:
+    """Row ``r`` holds the token of slot ``row_slots[r]`` (zeros for padding).
+
+    Both this gather and :func:`_slots_of` are permutations plus padding, so each one's gradient is
+    the other gather; written out, XLA:CPU would scatter-add instead, which runs far slower."""
+    top_k = layout.slot_rows.shape[1]
+    return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[layout.row_slots // top_k]
+
+
+def _slot_rows_fwd(x, layout):
+    return _slot_rows_of(x, layout), layout
+
+
+def _slot_rows_bwd(layout, d_rows):
+    return d_rows[layout.slot_rows].sum(axis=1), None
+
+
+_slot_rows_of.defvjp(_slot_rows_fwd, _slot_rows_bwd)
+
+
+@jax.custom_vjp
+def _slots_of(rows: Float[Array, "rows embed"], layout: BlockLayout) -> Float[Array, "tokens top_k embed"]:
+    """Slot ``(t, j)`` reads row ``slot_rows[t, j]``."""
+    return rows[layout.slot_rows]
+
+
+def _slots_fwd(rows, layout):
+    return _slots_of(rows, layout), layout
+
+
+def _slots_bwd(layout, d_slots):
+    flat = d_slots.reshape(-1, d_slots.shape[2])
+    return jnp.concatenate([flat, jnp.zeros((1, flat.shape[1]), flat.dtype)])[layout.row_slots], None
+
+
+_slots_of.defvjp(_slots_fwd, _slots_bwd)
 
 
 def sorted_blocks(
@@ -95,16 +135,15 @@ def sorted_blocks(
     Memory is linear in ``T``: the largest intermediates are ``[rows, embed]`` and ``[rows, 2 * expert_dim]``.
     """
     layout = block_layout(routing.experts, params.w_gate.shape[0], config.block_size)
-    embed = x.shape[1]
-    padded = jnp.concatenate([x, jnp.zeros((1, embed), x.dtype)])  # the row padding slots read
-    rows = padded[layout.row_tokens]
+    rows = _slot_rows_of(x, layout)
     tile = config.block_size
-    wide = min(max(1, _WIDE_TILE_ROWS // tile) * tile, rows.shape[0])
+    wide = tile
+    while wide * 2 <= min(_WIDE_TILE_ROWS, rows.shape[0]):
+        wide *= 2
     out = grouped_swiglu(
         rows, params.w_gate, params.w_up, params.w_down, layout.group_start, layout.group_rows, tile, wide
     )
-    slot_outputs = out[layout.slot_rows]
-    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
+    return jnp.einsum("tk,tkd->td", routing.weights, _slots_of(out, layout)).astype(x.dtype)
 
 
 def ragged(

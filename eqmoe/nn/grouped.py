@@ -3,10 +3,10 @@
 The rows arrive as one ``[rows, embed]`` buffer in which expert ``e`` owns the ``group_rows[e]`` rows from
 ``group_start[e]`` on (both multiples of ``tile``; the layout pads each group). An outer ``lax.scan`` over
 the experts takes one expert's weights at a time, and inner loops run that expert's rows in tiles:
-as many ``wide``-row tiles as fit, then ``tile``-row ones for the rest, so most rows go through large,
-efficient matmuls while a group is padded by less than ``tile`` rows. Gate and up projections are one
-``[embed, 2 * expert_dim]`` matmul. Each expert's weights are read once per layer (on XLA:CPU a weight
-slice taken inside a loop is a copy), and rows no expert owns (the tail of the static buffer) are
+as many ``wide``-row tiles as fit, then halving tiles down to ``tile`` rows for the rest, so rows go
+through a few large, efficient matmuls while a group is padded by less than ``tile`` rows. Gate and up
+projections are one ``[embed, 2 * expert_dim]`` matmul. Each expert's weights are read once per layer
+(on XLA:CPU a weight slice taken inside a loop is a copy), and rows no expert owns (the tail of the static buffer) are
 never visited and stay zero.
 
 Why a custom VJP: differentiating the weight slice inside the loop would make JAX add a full
@@ -30,12 +30,19 @@ def _silu_and_grad(gate: Array) -> tuple[Array, Array]:
 
 
 def _over_tiles(start, size, tile: int, wide: int, body, carry):
-    """``body(offset, rows, carry)`` over rows ``start .. start + size``: ``wide``-row tiles, then ``tile``-row."""
+    """``body(offset, rows, carry)`` over rows ``start .. start + size`` (a multiple of ``tile``): as many
+    ``wide``-row tiles as fit, then at most one each of ``wide / 2, wide / 4, .., tile`` rows
+    (``wide = tile * 2^m``), so every group runs in a few large matmuls whatever its size."""
     num_wide = size // wide
     carry = jax.lax.fori_loop(0, num_wide, lambda i, c: body(start + i * wide, wide, c), carry)
-    rest = start + num_wide * wide
-    num_narrow = (size - num_wide * wide) // tile
-    return jax.lax.fori_loop(0, num_narrow, lambda i, c: body(rest + i * tile, tile, c), carry)
+    done = num_wide * wide
+    rows = wide // 2
+    while rows >= tile:
+        take = size - done >= rows
+        carry = jax.lax.cond(take, partial(body, start + done, rows), lambda c: c, carry)
+        done = done + jnp.where(take, rows, 0)
+        rows //= 2
+    return carry
 
 
 def _take(x: Array, offset, rows: int) -> Array:
