@@ -75,6 +75,8 @@ class DataOptions:
 
 @dataclass(frozen=True)
 class RunOptions(loop.RunOptions):
+    steps: int = 2000
+    """Total optimizer steps of the run (a resumed run continues up to this)."""
     out_dir: Path = Path("runs/sft")
     """Where metrics, plots, checkpoints and the summary go."""
     samples: int = 4
@@ -85,7 +87,7 @@ class RunOptions(loop.RunOptions):
 class Args:
     model: ModelOptions = ModelOptions()
     data: DataOptions = DataOptions()
-    optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=100, decay_steps=1600, weight_decay=0.01)
+    optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=100, decay_steps=2000, weight_decay=0.1)
     run: RunOptions = RunOptions()
     parallel: MeshOptions = MeshOptions()
 

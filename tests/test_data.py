@@ -213,7 +213,7 @@ def test_jsonl_invalid_utf8_empty_and_missing_files(tmp_path):
 def _expected_answer(task: str, prompt: str) -> str:
     """Each kind's answer recomputed from the prompt text alone."""
     if task == "add":
-        a, b = re.fullmatch(r"What is (\d{1,2})\+(\d{1,2})\?", prompt).groups()
+        a, b = re.fullmatch(r"What is (\d{2})\+(\d{2})\?", prompt).groups()
         return str(int(a) + int(b))
     if task == "reverse":
         (word,) = re.fullmatch(r"Reverse: ([a-z]{3,6})", prompt).groups()

@@ -2,7 +2,9 @@
 
 Five kinds, each a one-turn conversation ``[user, assistant]``:
 
-- ``"add"``: ``"What is 37+58?"`` -> ``"95"`` (two numbers in ``0..99``);
+- ``"add"``: ``"What is 37+58?"`` -> ``"95"`` (two numbers in ``0..99``, written with two digits:
+  ``"What is 07+58?"`` -> ``"65"``, so each digit sits at the same place in every prompt; with the numbers'
+  own widths the micro model learnt addition on one seed in three within the SFT budget);
 - ``"reverse"``: ``"Reverse: hello"`` -> ``"olleh"`` (3-6 random lowercase letters);
 - ``"sort"``: ``"Sort: 5 2 9"`` -> ``"2 5 9"`` (3-5 digits, ascending);
 - ``"max"``: ``"Largest: 5 2 9"`` -> ``"9"`` (3-6 digits);
@@ -49,7 +51,7 @@ class Example(NamedTuple):
 
 def _add(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
-    return f"What is {a}+{b}?", str(a + b)
+    return f"What is {a:02d}+{b:02d}?", str(a + b)
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:

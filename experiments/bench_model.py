@@ -1,0 +1,622 @@
+"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE, same weights, same batch.
+
+    python -m experiments.bench_model                                   # every shape, forward and train
+    python -m experiments.bench_model --shape small-train --repeats 3   # one row, one pass
+    python -m experiments.bench_model --shape wide --breakdown          # + attention / MoE / dense / norm / head
+    python -m experiments.bench_model --shape long --seq 2048 --json-out model.json
+
+Each row builds a random ``transformers.Qwen3MoeForCausalLM`` (eager attention and experts, float32),
+saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch
+must be below ``--logit-tolerance`` before anything is timed. Passes:
+
+- ``forward``: the logits of the batch (torch under ``inference_mode``; eqmoe jitted, as ``batch_loss``
+  calls the model: one packed segment, all tokens real).
+- ``train``: one optimizer step. eqmoe runs the project's own ``make_train_step`` (donated state, the
+  configured objective: CE + 0.001 * pooled load balance, every reported metric) with
+  ``OptimizerConfig(warmup_steps=0)``: AdamW lr 3e-4, b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 except
+  norm scales, global-norm clip 1.0. transformers runs ``model(ids, labels=ids,
+  output_router_logits=True).loss`` (CE + router_aux_loss_coef * aux), ``backward``,
+  ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` with the same values and the same decay groups.
+
+The two frameworks alternate in one process (eqmoe, torch, eqmoe, ...); torch uses ``os.cpu_count()``
+threads, as XLA:CPU does. The first call of each side (eqmoe: compilation + one run) is reported apart
+from the medians of ``--repeats`` timed calls. ``ratio`` = eqmoe tokens/s / transformers tokens/s (> 1:
+eqmoe is faster). ``--breakdown`` times single components on the row's shapes, forward and
+forward+backward (the gradient of ``sum(out * g)``, fixed random ``g``, w.r.t. the inputs and parameters);
+there ``ratio`` = transformers ms / eqmoe ms.
+"""
+
+import copy
+import dataclasses
+import inspect
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+from eqmoe.nn import dispatch
+from experiments._cli import UsageError, guarded
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark row: the model and the batch."""
+
+    layers: int
+    embed: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_dim: int
+    vocab: int
+    batch: int
+    seq: int
+
+    def model_key(self) -> tuple:
+        return dataclasses.astuple(dataclasses.replace(self, batch=0, seq=0))
+
+
+_SMALL = dict(layers=4, embed=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=2, expert_dim=512, vocab=2048)
+_WIDE = dict(layers=2, embed=512, heads=8, kv_heads=4, head_dim=64, experts=32, top_k=4, expert_dim=1024, vocab=2048)
+SHAPES = {
+    "small": Shape(**_SMALL, batch=8, seq=256),
+    "wide": Shape(**_WIDE, batch=4, seq=1024),
+    "long": Shape(**_WIDE, batch=1, seq=4096),  # the "wide" model
+}
+PASSES = ("forward", "train")
+
+
+@dataclass(frozen=True)
+class Args:
+    shape: tuple[str, ...] = ()
+    """Rows to run: small, wide, long, or NAME-PASS for one pass (e.g. small-train); default every row."""
+    layers: int | None = None
+    """Override the decoder layers of every selected row."""
+    embed: int | None = None
+    """Override the model width."""
+    heads: int | None = None
+    """Override the query heads."""
+    kv_heads: int | None = None
+    """Override the key/value heads."""
+    head_dim: int | None = None
+    """Override the head dimension."""
+    experts: int | None = None
+    """Override the number of experts."""
+    top_k: int | None = None
+    """Override the experts per token."""
+    expert_dim: int | None = None
+    """Override each expert's SwiGLU width."""
+    vocab: int | None = None
+    """Override the vocabulary size."""
+    batch: int | None = None
+    """Override the rows of the batch."""
+    seq: int | None = None
+    """Override the sequence length."""
+    repeats: int = 5
+    """Timed calls per side and measurement (the median is reported), interleaved with the other side."""
+    breakdown: bool = False
+    """Also time the components (attention, MoE, equal-FLOP dense SwiGLU, RMSNorm, embed+head+loss)."""
+    dispatch: Literal["auto", "sorted", "ragged_dot", "dense"] = "auto"
+    """eqmoe's MoE dispatch backend (auto: sorted on CPU)."""
+    hf_adamw: Literal["default", "foreach", "fused"] = "default"
+    """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
+    logit_tolerance: float = 1e-3
+    """Stop before timing when max |logit diff| between the two models exceeds this."""
+    seed: int = 0
+    """Seed of the weights, the token ids and the cotangents."""
+    json_out: Path | None = None
+    """Write the machine, the rows and the breakdown here as JSON."""
+
+
+def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
+    """``(name, shape with the overrides applied, passes)`` for every row ``args`` asks for."""
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if getattr(args, f.name) is not None}
+    rows: dict[str, list[str]] = {}
+    for entry in args.shape or tuple(SHAPES):
+        name, _, pass_name = entry.partition("-")
+        if name not in SHAPES or (pass_name and pass_name not in PASSES):
+            allowed = ", ".join([*SHAPES, *(f"{s}-{p}" for s in SHAPES for p in PASSES)])
+            raise UsageError(f"--shape {entry} is unknown; allowed: {allowed}")
+        passes = rows.setdefault(name, [])
+        passes.extend(p for p in ((pass_name,) if pass_name else PASSES) if p not in passes)
+    return [
+        (name, dataclasses.replace(SHAPES[name], **overrides), tuple(p for p in PASSES if p in passes))
+        for name, passes in rows.items()
+    ]
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+# --- timing ------------------------------------------------------------------------------------------
+
+
+def interleaved(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """First-call seconds and median seconds of ``ours`` (synchronised with ``block_until_ready``) and
+    ``theirs`` (torch on CPU: synchronous), timed alternately."""
+
+    def seconds(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - start
+
+    first_ours, first_theirs = seconds(ours), seconds(theirs)
+    times_ours, times_theirs = [], []
+    for _ in range(repeats):
+        times_ours.append(seconds(ours))
+        times_theirs.append(seconds(theirs))
+    return {
+        "eqmoe_first_s": first_ours,
+        "hf_first_s": first_theirs,
+        "eqmoe_s": statistics.median(times_ours),
+        "hf_s": statistics.median(times_theirs),
+    }
+
+
+# --- the two models ----------------------------------------------------------------------------------
+
+
+def build_models(shape: Shape, seed: int):
+    """A random transformers Qwen3-MoE (eager attention and experts, eval mode) and the same weights as an
+    eqmoe ``Transformer``, read back with ``eqmoe.checkpoints.hf.load`` from a ``save_pretrained`` folder."""
+    import torch
+    import transformers
+
+    from eqmoe.checkpoints import hf
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.embed,
+        intermediate_size=shape.expert_dim,  # unused: every layer is MoE
+        moe_intermediate_size=shape.expert_dim,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        max_position_embeddings=max(shape.seq, 4096),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        use_cache=False,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at exactly 1: perturb them so the check covers their weights
+        for name, param in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    with tempfile.TemporaryDirectory(prefix="bench_model_") as folder:
+        reference.save_pretrained(folder)
+        model = hf.load(folder)
+    return reference, model
+
+
+def _copy_arrays(tree):
+    """``tree`` with fresh buffers (the train step donates its state; the forward pass keeps the original)."""
+    return jax.tree.map(lambda leaf: jnp.asarray(np.array(leaf)) if eqx.is_array(leaf) else leaf, tree)
+
+
+def _eqmoe_batch(ids: np.ndarray):
+    """The train step's ``Batch``: one segment per row (id 1; 0 is padding), positions 0.., every target."""
+    from eqmoe.train.step import Batch
+
+    return Batch(
+        tokens=jnp.asarray(ids.astype(np.int32)),
+        segment_ids=jnp.asarray(np.ones(ids.shape, np.int32)),
+        positions=jnp.asarray(_positions(*ids.shape)),
+        target_mask=jnp.asarray(np.ones(ids.shape, bool)),
+    )
+
+
+def _positions(batch: int, seq: int) -> np.ndarray:
+    return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
+
+
+@eqx.filter_jit
+def _eqmoe_logits(model, batch):
+    """The logits as ``eqmoe.train.step.batch_loss`` computes them."""
+    mask = batch.segment_ids != 0
+    return model(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=mask).logits
+
+
+def _eqmoe_train(model, batch, seed: int) -> Callable[[], Any]:
+    """One call of the project's jitted train step per call; the donated state is carried between calls."""
+    from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
+    from eqmoe.train.state import init_state
+    from eqmoe.train.step import make_train_step
+
+    model = _copy_arrays(model)
+    optimizer, schedule = make_optimizer(
+        OptimizerConfig(warmup_steps=0), eqx.filter(model, eqx.is_array), embed_dim=model.config.embed_dim
+    )
+    holder = [init_state(model, optimizer, key=jax.random.key(seed + 1))]
+    step = make_train_step(optimizer, schedule)
+
+    def call():
+        holder[0], metrics = step(batch, holder[0])
+        return holder[0], metrics
+
+    return call
+
+
+def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
+    """transformers' own loss, backward, clipping and AdamW with eqmoe's OptimizerConfig defaults."""
+    import torch
+
+    from eqmoe.train.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(warmup_steps=0)
+    model = copy.deepcopy(reference).train()
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not n.endswith("norm.weight")], "weight_decay": config.weight_decay},
+        {"params": [p for n, p in named if n.endswith("norm.weight")], "weight_decay": 0.0},
+    ]
+    flags = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw]
+    optimizer = torch.optim.AdamW(
+        groups, lr=config.learning_rate, betas=(config.b1, config.b2), eps=config.eps, **flags
+    )
+    params = [p for _, p in named]
+
+    def call():
+        loss = model(ids, labels=ids, output_router_logits=True, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return None
+
+    return call
+
+
+# --- components (--breakdown) ------------------------------------------------------------------------
+
+
+@dataclass
+class Component:
+    """One sub-computation on both sides: ``ours(diff, const)`` in JAX and ``theirs(*diff, *const)`` in
+    torch; gradients are taken w.r.t. ``diff`` (modules and floating inputs), never ``const``."""
+
+    name: str
+    ours: Callable
+    our_diff: tuple
+    our_const: tuple
+    theirs: Callable
+    their_diff: tuple
+    their_const: tuple
+
+
+def eqmoe_first_block(model):
+    """The first block of the first segment: its leaves carry a leading ``repeats`` axis; take repeat 0."""
+    first = lambda leaf: jnp.asarray(np.asarray(leaf)[0]) if eqx.is_array(leaf) else leaf  # noqa: E731
+    return jax.tree.map(first, model.segments[0].blocks[0])
+
+
+def eqmoe_attention_sublayer(block, shape: Shape) -> tuple[Callable, tuple]:
+    """``(fn, const)``: ``fn((attn_norm, attention, x), const)`` is the block's attention sub-layer.
+
+    The one place that knows ``Attention.__call__``'s arguments beyond ``x``: it reads the signature and
+    passes, by name, whatever of cos/sin (RoPE tables), mask (``attention_mask(segment_ids, token_mask)``,
+    as the model builds it for a train batch), segment_ids, positions and token_mask it asks for (one
+    packed segment per row, every token real)."""
+    from eqmoe.nn import attention as attention_module
+
+    parameters = list(inspect.signature(type(block.attention).__call__).parameters.values())[2:]
+    names = [p.name for p in parameters]
+    batch, seq, config = shape.batch, shape.seq, block.attention.config
+
+    @jax.jit
+    def derived(segment_ids, positions, token_mask):  # one compilation, not one per eager op
+        values = {"segment_ids": segment_ids, "positions": positions, "token_mask": token_mask}
+        if {"cos", "sin"} & set(names):
+            from eqmoe.nn.rope import rope_tables
+
+            values["cos"], values["sin"] = rope_tables(
+                positions, config.head_dim, config.rope_theta, jnp.float32, config.rope_layout
+            )
+        if "mask" in names:
+            values["mask"] = attention_module.attention_mask(segment_ids, token_mask)
+        return values
+
+    values = derived(np.ones((batch, seq), np.int32), _positions(batch, seq), np.ones((batch, seq), bool))
+    missing = [p.name for p in parameters if p.name not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise RuntimeError(f"bench_model's attention adapter does not know Attention.__call__ arguments {missing}")
+    used = tuple(name for name in names if name in values)
+
+    def fn(diff, const):
+        norm, attention, x = diff
+        return attention(norm(x), **dict(zip(used, const, strict=True)))
+
+    return fn, tuple(values[name] for name in used)
+
+
+def eqmoe_backends(model, shape: Shape) -> str:
+    """The MoE dispatch and attention backends the model resolves to on this platform (for the printout)."""
+    from eqmoe.nn import attention as attention_module
+
+    moe = dispatch.resolve(model.config.moe).__name__
+    attention = getattr(model.config.attention, "backend", "dense")
+    if hasattr(attention_module, "backend_name"):
+        ones = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
+        mask = jax.eval_shape(attention_module.attention_mask, ones, ones.update(dtype=jnp.bool_))
+        attention = attention_module.backend_name(model.config.attention, mask, model.config.dtype)
+    return f"moe {moe}, attention {attention}"
+
+
+def components(shape: Shape, model, reference, rng: np.random.Generator) -> list[Component]:
+    """Attention, MoE, equal-FLOP dense SwiGLU, RMSNorm and embed+final norm+lm_head+CE, same weights."""
+    import torch
+
+    from eqmoe.losses import next_token_cross_entropy
+    from eqmoe.nn._init import Init
+    from eqmoe.nn.mlp import SwiGLU
+
+    def to_torch(x, grad: bool = False):
+        return torch.from_numpy(np.array(x)).requires_grad_(grad)
+
+    x = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.embed), np.float32))
+    block, layer = eqmoe_first_block(model), reference.model.layers[0]
+    h = eqx.filter_jit(lambda norm, x: norm(x))(block.pre_norm, x)  # the MoE's input: normed activations
+    token_mask = jnp.asarray(np.ones((shape.batch, shape.seq), bool))
+    ids = jnp.asarray(rng.integers(0, shape.vocab, (shape.batch, shape.seq), dtype=np.int32))
+
+    attention, attention_const = eqmoe_attention_sublayer(block, shape)
+    x_t, h_t, ids_t = to_torch(x, True), to_torch(h, True), torch.from_numpy(np.array(ids)).long()
+    position_ids = torch.arange(shape.seq)[None].expand(shape.batch, -1)
+    with torch.no_grad():
+        rope = reference.model.rotary_emb(x_t, position_ids=position_ids)
+    additive = torch.full((shape.seq, shape.seq), torch.finfo(torch.float32).min).triu(1)
+    causal = additive[None, None].expand(shape.batch, 1, -1, -1)  # what create_causal_mask gives eager
+
+    width = shape.top_k * shape.expert_dim
+    init = Init("normal", 0.02, jnp.dtype("float32"))
+    abstract = eqx.filter_eval_shape(SwiGLU, shape.embed, width, init=init, key=jax.random.key(0))
+    dense = jax.tree.map(lambda leaf: jnp.asarray(0.02 * rng.standard_normal(leaf.shape, np.float32)), abstract)
+    linears = [torch.nn.Linear(*w.shape, bias=False) for w in (dense.w_gate, dense.w_up, dense.w_down)]
+    with torch.no_grad():
+        for linear, w in zip(linears, (dense.w_gate, dense.w_up, dense.w_down), strict=True):
+            linear.weight.copy_(to_torch(w).T)
+
+    def head(diff, const):
+        embed, final_norm, lm_head = diff
+        tokens, target_mask = const
+        return next_token_cross_entropy(final_norm(embed[tokens]) @ lm_head, tokens, target_mask)
+
+    def hf_head(embed, norm, lm_head, tokens):
+        return reference.loss_function(lm_head(norm(embed(tokens))), tokens, shape.vocab)
+
+    return [
+        Component(
+            "attention", attention, (block.attn_norm, block.attention, x), attention_const,
+            lambda norm, attn, x, rope, mask: attn(norm(x), position_embeddings=rope, attention_mask=mask)[0],
+            (layer.input_layernorm, layer.self_attn, x_t), (rope, causal),
+        ),
+        Component(
+            "moe", lambda diff, const: diff[0](diff[1], *const)[0], (block.ffn, h), (token_mask,),
+            lambda mlp, h: mlp(h), (layer.mlp, h_t), (),
+        ),
+        Component(
+            f"dense_swiglu_{width}", lambda diff, const: diff[0](diff[1]), (dense, h), (),
+            lambda gate, up, down, h: down(torch.nn.functional.silu(gate(h)) * up(h)), (*linears, h_t), (),
+        ),
+        Component(
+            "rmsnorm", lambda diff, const: diff[0](diff[1]), (block.attn_norm, x), (),
+            lambda norm, x: norm(x), (layer.input_layernorm, x_t), (),
+        ),
+        Component(
+            "embed_head_loss", head, (model.embed, model.final_norm, model.lm_head), (ids, token_mask),
+            hf_head, (reference.model.embed_tokens, reference.model.norm, reference.lm_head), (ids_t,),
+        ),
+    ]  # fmt: skip
+
+
+def time_component(component: Component, repeats: int, rng: np.random.Generator) -> list[dict]:
+    """Forward and forward+backward of one component on both sides: timings and max |forward diff|."""
+    import torch
+
+    c = component
+    forward = eqx.filter_jit(c.ours)
+    started = time.perf_counter()
+    ours_out = jax.block_until_ready(forward(c.our_diff, c.our_const))
+    first = {"eqmoe_first_s": time.perf_counter() - started}
+    started = time.perf_counter()
+    with torch.inference_mode():
+        theirs_out = c.theirs(*c.their_diff, *c.their_const)
+    first["hf_first_s"] = time.perf_counter() - started
+    diff = float(np.abs(np.asarray(ours_out) - theirs_out.numpy()).max())
+    cotangent_t = torch.from_numpy(rng.standard_normal(ours_out.shape, np.float32))
+    cotangent = jnp.asarray(cotangent_t.numpy())
+    backward = eqx.filter_jit(eqx.filter_grad(lambda d, const, g: jnp.sum(c.ours(d, const) * g)))
+
+    def hf_forward():
+        with torch.inference_mode():
+            return c.theirs(*c.their_diff, *c.their_const)
+
+    def hf_backward():
+        for item in c.their_diff:
+            if isinstance(item, torch.nn.Module):
+                item.zero_grad(set_to_none=True)
+            else:
+                item.grad = None
+        c.theirs(*c.their_diff, *c.their_const).backward(cotangent_t)
+
+    results = []
+    for pass_name, ours, theirs in (
+        ("forward", lambda: forward(c.our_diff, c.our_const), hf_forward),
+        ("fwd+bwd", lambda: backward(c.our_diff, c.our_const, cotangent), hf_backward),
+    ):
+        timing = interleaved(ours, theirs, repeats)
+        if pass_name == "forward":
+            timing.update(first)  # the check's calls were the first
+        entry = {"component": c.name, "pass": pass_name, "eqmoe_ms": timing["eqmoe_s"] * 1e3}
+        entry.update(hf_ms=timing["hf_s"] * 1e3, ratio=timing["hf_s"] / timing["eqmoe_s"], max_abs_diff=diff)
+        entry.update(eqmoe_compile_s=timing["eqmoe_first_s"], hf_first_call_s=timing["hf_first_s"])
+        results.append(entry)
+    return results
+
+
+# --- the benchmark -----------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def run(args: Args) -> dict:
+    """Every selected row (and its breakdown): the results that ``--json-out`` writes."""
+    if args.repeats < 1:
+        raise UsageError(f"--repeats={args.repeats} is invalid; allowed: a positive number")
+    rows = selected_rows(args)
+    try:
+        import torch
+    except ImportError as error:
+        raise UsageError("needs torch and transformers (pip install -e '.[test]')") from error
+    torch.set_num_threads(os.cpu_count() or 1)
+    info = machine()
+    print(
+        f"machine: {info['cpu_count']} CPUs, jax {info['jax']} ({info['jax_backend']}), torch {info['torch']} "
+        f"({info['torch_threads']} threads), transformers {info['transformers']}; load average "
+        + " ".join(f"{x:.2f}" for x in info["load_average_at_start"])
+    )
+    results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
+    built: tuple = (None, None, None)
+    for name, shape, passes in rows:
+        if built[0] != shape.model_key():
+            built = (None, None, None)  # free the previous pair first
+            built = (shape.model_key(), *build_models(shape, args.seed))
+        _, reference, model = built
+        if args.dispatch != "auto":
+            moe = dataclasses.replace(model.config.moe, dispatch=args.dispatch)
+            model = model.with_config(model.config.replace(moe=moe))
+        ids = np.random.default_rng(args.seed).integers(0, shape.vocab, (shape.batch, shape.seq))
+        ids_t, batch = torch.from_numpy(ids).long(), _eqmoe_batch(ids)
+        tokens = shape.batch * shape.seq
+
+        def hf_forward(reference=reference, ids_t=ids_t):
+            with torch.inference_mode():
+                return reference(ids_t, use_cache=False).logits
+
+        started = time.perf_counter()
+        ours_logits = np.asarray(jax.block_until_ready(_eqmoe_logits(model, batch)))
+        compile_s = time.perf_counter() - started
+        started = time.perf_counter()
+        theirs_logits = hf_forward().numpy()
+        first_s = time.perf_counter() - started
+        logit_diff = float(np.abs(ours_logits - theirs_logits).max())
+        backends = eqmoe_backends(model, shape)
+        print(f"{name}: {shape}: max |logit diff| eqmoe ({backends}) vs transformers {logit_diff:.2e}")
+        if not logit_diff < args.logit_tolerance:
+            raise RuntimeError(f"{name}: logits differ by {logit_diff:.2e} >= {args.logit_tolerance}; not timing")
+        del ours_logits, theirs_logits
+
+        for pass_name in passes:
+            if pass_name == "forward":
+                timing = interleaved(lambda m=model, b=batch: _eqmoe_logits(m, b), hf_forward, args.repeats)
+                timing.update(eqmoe_first_s=compile_s, hf_first_s=first_s)  # the check's calls were the first
+            else:
+                ours = _eqmoe_train(model, batch, args.seed)
+                timing = interleaved(ours, _hf_train(reference, ids_t, args.hf_adamw), args.repeats)
+                del ours
+            results["rows"].append(
+                {
+                    "shape": name,
+                    "config": dataclasses.asdict(shape),
+                    "pass": pass_name,
+                    "eqmoe_ms": timing["eqmoe_s"] * 1e3,
+                    "hf_ms": timing["hf_s"] * 1e3,
+                    "eqmoe_tokens_per_s": tokens / timing["eqmoe_s"],
+                    "hf_tokens_per_s": tokens / timing["hf_s"],
+                    "ratio": timing["hf_s"] / timing["eqmoe_s"],
+                    "eqmoe_compile_s": timing["eqmoe_first_s"],
+                    "hf_first_call_s": timing["hf_first_s"],
+                    "logit_max_abs_diff": logit_diff,
+                    "eqmoe_backends": backends,
+                }
+            )
+        if args.breakdown:
+            rng = np.random.default_rng(args.seed + 2)
+            for component in components(shape, model, reference, rng):
+                for entry in time_component(component, args.repeats, rng):
+                    results["breakdown"].append({"shape": name, **entry})
+
+    info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
+    header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
+    print("\n" + _table([*header, "HF first s"], [_row_cells(r) for r in results["rows"]]))
+    print("ratio = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe faster); medians of", args.repeats, "calls")
+    if results["breakdown"]:
+        cells = [
+            [b["shape"], b["component"], b["pass"], f"{b['eqmoe_ms']:.2f}", f"{b['hf_ms']:.2f}", f"{b['ratio']:.2f}"]
+            + [f"{b['max_abs_diff']:.1e}"]
+            for b in results["breakdown"]
+        ]
+        header = ["shape", "component", "pass", "eqmoe ms", "HF ms", "ratio", "max |diff|"]
+        print("\n" + _table(header, cells))
+        print("ratio = transformers ms / eqmoe ms (> 1: eqmoe faster); max |diff| of the forward outputs")
+    print("load average at the end:", " ".join(f"{x:.2f}" for x in info["load_average_at_end"]))
+    if args.json_out is not None:
+        from eqmoe.train.logging import write_json_atomic
+
+        write_json_atomic(args.json_out, results)
+    return results
+
+
+def _row_cells(row: dict) -> list[str]:
+    config = row["config"]
+    return [
+        row["shape"],
+        row["pass"],
+        f"{config['batch']}x{config['seq']}",
+        f"{row['eqmoe_ms']:.1f}",
+        f"{row['hf_ms']:.1f}",
+        f"{row['eqmoe_tokens_per_s']:,.0f}",
+        f"{row['hf_tokens_per_s']:,.0f}",
+        f"{row['ratio']:.2f}",
+        f"{row['eqmoe_compile_s']:.2f}",
+        f"{row['hf_first_call_s']:.2f}",
+    ]
+
+
+def main(args: Args) -> int:
+    return 0 if guarded("bench_model", run, args) is not None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Args)))
