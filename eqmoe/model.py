@@ -138,20 +138,24 @@ class Transformer(eqx.Module):
                 layer_caches.append(segment_cache)
             if stats is not None:
                 layer_stats.append(stats)
-        # A flat [tokens, embed] matmul: XLA:CPU's backward pass is about twice as slow on [batch, seq, embed].
-        flat = model.final_norm(x).reshape(batch * seq, -1)
-        if model.lm_head is not None:
-            logits = flat @ model.lm_head
-        else:
-            logits = flat @ model.embed.T
-            if self.config.tied_logit_scale == "rsqrt_embed":
-                logits = logits * self.config.embed_dim**-0.5
-        logits = logits.reshape(batch, seq, -1)
-        logits = parallel.constrain_activation(logits, ("batch", "seq", "vocab"))
+        logits = parallel.constrain_activation(model.output_logits(x), ("batch", "seq", "vocab"))
         aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_stats) if layer_stats else None
         if cache is None:
             return ModelOutput(logits, aux)
         return ModelOutput(logits, aux, KVCache(tuple(layer_caches), valid, cache.index + seq))
+
+    def output_logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
+        """The final norm and the output layer (``lm_head``, or the embedding when tied)."""
+        batch, seq, _ = x.shape
+        # A flat [tokens, embed] matmul: XLA:CPU's backward pass is about twice as slow on [batch, seq, embed].
+        flat = self.final_norm(x).reshape(batch * seq, -1)
+        if self.lm_head is not None:
+            logits = flat @ self.lm_head
+        else:
+            logits = flat @ self.embed.T
+            if self.config.tied_logit_scale == "rsqrt_embed":
+                logits = logits * self.config.embed_dim**-0.5
+        return logits.reshape(batch, seq, -1)
 
     def with_config(self, config: ModelConfig) -> "Transformer":
         """These parameters under ``config``, which must describe the same parameter shapes (e.g. a

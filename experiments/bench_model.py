@@ -413,10 +413,11 @@ def components(shape: Shape, model, reference, rng: np.random.Generator) -> list
         for linear, w in zip(linears, (dense.w_gate, dense.w_up, dense.w_down), strict=True):
             linear.weight.copy_(to_torch(w).T)
 
-    def head(diff, const):
+    def head(diff, const):  # the model's own output path on the embedded tokens
         embed, final_norm, lm_head = diff
         tokens, target_mask = const
-        return next_token_cross_entropy(final_norm(embed[tokens]) @ lm_head, tokens, target_mask)
+        model_head = eqx.tree_at(lambda m: (m.embed, m.final_norm, m.lm_head), model, (embed, final_norm, lm_head))
+        return next_token_cross_entropy(model_head.output_logits(embed[tokens]), tokens, target_mask)
 
     def hf_head(embed, norm, lm_head, tokens):
         return reference.loss_function(lm_head(norm(embed(tokens))), tokens, shape.vocab)
