@@ -1,6 +1,6 @@
 """Supervised fine-tuning (SFT) of a Qwen3-MoE on chat data: the main job.
 
-    python -m experiments.sft                                   # tiny model, built-in tasks, ~3 min on CPU
+    python -m experiments.sft                                   # tiny model, built-in tasks, ~4 min on CPU
     python -m experiments.sft --init-from-hf DIR --data chats.jsonl --tokenizer DIR/tokenizer.json
     python -m experiments.sft --init-from-checkpoint CKPT --data chats.jsonl --tokenizer CKPT/tokenizer.json
     python -m experiments.sft --steps 4000 --resume             # continue the run in --out-dir

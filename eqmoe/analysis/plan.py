@@ -17,7 +17,8 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   probabilities, 8 H T, and about 2 H T more XLA keeps beside them). Blockwise attention adds, once per
   step, its float32 query-gradient buffer ``4 H hd`` per token and about one float32 ``[rows, H, B, B]`` tile;
   MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
-  ``c * (2 D + 3 M)``; plus the output layer ``4 * 3 V`` per token (logits, log-probabilities, gradient).
+  ``c * (2 D + 3 M)``; plus the output layer ``4 * 2 V`` per token (logits and their gradient: with the
+  flat output matmul XLA keeps no third copy).
   With ``remat="block"`` each layer keeps its input ``c * D`` per token and about three quarters of one repeat
   unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
@@ -116,7 +117,7 @@ def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int)
         kept = c * d * len(kinds) + 0.75 * max(units)
     else:
         kept = sum(layers)
-    output_layer = 4 * 3 * _split(config.vocab_size, tp)
+    output_layer = 4 * 2 * _split(config.vocab_size, tp)
     activations = tokens * (kept + output_layer)
     if blockwise:
         tile = min(attn.block_size, seq)
