@@ -27,7 +27,10 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.config import ModelConfig, config_to_dict
 from eqmoe.data import (
+    TRAIN_MIX,
     PackedDataset,
+    TaskKind,
+    distinct_kinds,
     load_jsonl,
     load_tokenizer,
     pack_conversations,
@@ -71,6 +74,9 @@ class DataOptions:
     """Built-in tasks: training conversations to generate."""
     eval_examples: int = 500
     """Built-in tasks: held-out conversations to generate."""
+    tasks: tuple[TaskKind, ...] = TRAIN_MIX
+    """Built-in tasks: the training cycle of task kinds (a kind listed twice is drawn twice as often); the
+    held-out conversations cycle through each listed kind once."""
 
 
 @dataclass(frozen=True)
@@ -111,20 +117,22 @@ def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tupl
 
 
 def _conversations(options: DataOptions, seed: int):
-    """Training and held-out conversations, and a note of what was skipped."""
+    """Training and held-out conversations, a note of what was skipped, and each held-out conversation's
+    task kind (built-in tasks only, else ``None``)."""
     if options.data is None:
-        train = [e.messages for e in synthetic_split("train", options.train_examples, seed)]
-        held_out = [e.messages for e in synthetic_split("eval", options.eval_examples, seed)]
-        return train, held_out, "built-in tasks"
+        train = [e.messages for e in synthetic_split("train", options.train_examples, seed, options.tasks)]
+        held_out_examples = synthetic_split("eval", options.eval_examples, seed, distinct_kinds(options.tasks))
+        held_out = [e.messages for e in held_out_examples]
+        return train, held_out, "built-in tasks", [e.task for e in held_out_examples]
     loaded = load_jsonl(options.data)
     note = f"{options.data}: {len(loaded.conversations)} conversations"
     if loaded.skipped_no_assistant:
         note += f", {loaded.skipped_no_assistant} skipped (no assistant turn)"
     if options.eval_data is not None:
-        return loaded.conversations, load_jsonl(options.eval_data).conversations, note
+        return loaded.conversations, load_jsonl(options.eval_data).conversations, note, None
     train = [c for i, c in enumerate(loaded.conversations) if i % 20 != 19]
     held_out = [c for i, c in enumerate(loaded.conversations) if i % 20 == 19] or loaded.conversations[:1]
-    return train, held_out, note
+    return train, held_out, note, None
 
 
 def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
@@ -178,7 +186,7 @@ def run(args: Args) -> dict:
     parallelism = args.parallel.build()
     tokenizer = load_tokenizer(args.data.tokenizer)
     model, config = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
-    train, held_out, note = _conversations(args.data, run_options.seed)
+    train, held_out, note, held_out_tasks = _conversations(args.data, run_options.seed)
     packed = pack_conversations(train, tokenizer, args.data.seq_len, overflow="truncate")
     eval_rows = pack_conversations(held_out, tokenizer, args.data.seq_len, overflow="truncate").rows
     dataset = PackedDataset(packed.rows)
@@ -203,10 +211,20 @@ def run(args: Args) -> dict:
     if jax.process_index() == 0:
         plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     samples = _samples(model, tokenizer, held_out, run_options.samples) if run_options.samples else []
+    by_task = {}
+    for task in sorted(set(held_out_tasks or ())):
+        rows = pack_conversations(
+            [c for c, t in zip(held_out, held_out_tasks, strict=True) if t == task],
+            tokenizer,
+            args.data.seq_len,
+            overflow="truncate",
+        ).rows
+        by_task[task] = _evaluate(model, rows, args.data.batch_size)["eval_accuracy"]
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
         "eval_loss": result.final_eval["eval_loss"],
         "eval_accuracy": result.final_eval["eval_accuracy"],
+        "eval_accuracy_by_task": by_task,
         "steps": run_options.steps,
         "tokens_per_second": result.tokens_per_second,
         "compile_seconds": result.compile_seconds,
@@ -230,6 +248,9 @@ def main(args: Args) -> int:
         f"final loss {summary['final_loss']:.4f}  eval loss {summary['eval_loss']:.4f}  "
         f"held-out exact match {summary['eval_accuracy']:.3f}  ({summary['tokens_per_second'] or 0:,.0f} tok/s)"
     )
+    by_task = summary["eval_accuracy_by_task"]
+    if by_task:
+        print("  held-out exact match by task: " + "  ".join(f"{task} {value:.3f}" for task, value in by_task.items()))
     return 0
 
 

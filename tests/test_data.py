@@ -9,11 +9,14 @@ import pytest
 
 from eqmoe.data import (
     ALL_KINDS,
+    KINDS,
+    TRAIN_MIX,
     Batch,
     ByteTokenizer,
     HFTokenizer,
     PackedDataset,
     Tokenizer,
+    distinct_kinds,
     encode_chat,
     load_jsonl,
     load_tokenizer,
@@ -251,6 +254,12 @@ def test_synthetic_tasks_are_deterministic_disjoint_and_correct():
     assert min(counts.values()) > 10  # the counting task is not all zeros and ones
     lengths = [len(encode_chat(e.messages, ByteTokenizer())[0]) for e in train]
     assert min(lengths) >= 30 and max(lengths) <= 48
+
+
+def test_training_mix_repeats_a_kind_and_its_held_out_cycle_lists_each_once():
+    assert distinct_kinds(TRAIN_MIX) == KINDS and TRAIN_MIX.count("add") == 2
+    drawn = [e.task for e in synthetic_split("train", 1000, seed=0, kinds=TRAIN_MIX)]
+    assert 0.35 < drawn.count("add") / len(drawn) < 0.45
 
 
 def test_split_stream_holds_out_about_a_tenth():

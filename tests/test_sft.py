@@ -59,6 +59,18 @@ def test_resume_is_bit_identical(tmp_path):
         assert (tmp_path / "b" / name).is_file()
 
 
+def test_built_in_task_mix_and_held_out_accuracy_by_task(tmp_path):
+    args = _args(tmp_path, 5, data={"tasks": ("add", "sort", "add"), "eval_examples": 30})
+    train, held_out, _, tasks = sft._conversations(args.data, seed=0)
+    kinds = [e.task for e in synthetic_split("train", len(train), 0, ("add", "sort", "add"))]
+    assert 1.7 < kinds.count("add") / kinds.count("sort") < 2.3  # a kind listed twice is drawn twice as often
+    assert tasks == [e.task for e in synthetic_split("eval", 30, 0, ("add", "sort"))]  # held out: each once
+    summary = sft.run(args)
+    by_task = summary["eval_accuracy_by_task"]
+    assert sorted(by_task) == ["add", "sort"] and all(0.0 <= v <= 1.0 for v in by_task.values())
+    assert abs(np.mean(list(by_task.values())) - summary["eval_accuracy"]) <= 1 / len(held_out)
+
+
 def test_packed_row_loss_is_the_sum_of_its_conversations():
     config = presets.get("qwen3-moe-micro")
     model = Transformer(config, key=jax.random.key(3))

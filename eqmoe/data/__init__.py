@@ -7,12 +7,23 @@ from eqmoe.data.chat import ROLES, Conversation, check_messages, encode_chat, pr
 from eqmoe.data.jsonl import JsonlData, load_jsonl
 from eqmoe.data.loader import PackedDataset
 from eqmoe.data.packing import Batch, Packed, pack, pack_conversations, target_mask
-from eqmoe.data.tasks import ALL_KINDS, KINDS, Example, make_example, split_of, synthetic_split
+from eqmoe.data.tasks import (
+    ALL_KINDS,
+    KINDS,
+    TRAIN_MIX,
+    Example,
+    TaskKind,
+    distinct_kinds,
+    make_example,
+    split_of,
+    synthetic_split,
+)
 from eqmoe.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_vocab_size
 
 __all__ = [
     "ALL_KINDS",
     "KINDS",
+    "TRAIN_MIX",
     "ROLES",
     "Batch",
     "ByteTokenizer",
@@ -21,6 +32,7 @@ __all__ = [
     "HFTokenizer",
     "JsonlData",
     "Packed",
+    "TaskKind",
     "PackedDataset",
     "Tokenizer",
     "check_messages",
@@ -35,5 +47,6 @@ __all__ = [
     "render",
     "split_of",
     "synthetic_split",
+    "distinct_kinds",
     "target_mask",
 ]
