@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.config import ModelConfig
+from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.attention import LayerCache, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.block import model_init
 from eqmoe.nn.norm import RMSNorm
@@ -42,7 +43,7 @@ class ModelOutput(NamedTuple):
     cache: KVCache | None = None  # the updated cache when the model was called with one
 
 
-class Transformer(eqx.Module):
+class Transformer(Layer):
     """A decoder-only MoE language model described entirely by a :class:`ModelConfig`.
 
     **Arguments** of ``__call__``:
@@ -63,10 +64,10 @@ class Transformer(eqx.Module):
       lands on the last slots). MoE routing follows :meth:`eqmoe.nn.block.Block.decode`.
     """
 
-    embed: Float[Array, "vocab embed"]
+    embed: Float[Array, "vocab embed"] = param(Role.EMBEDDING)
     segments: tuple[RepeatedUnit, ...]
     final_norm: RMSNorm
-    lm_head: Float[Array, "embed vocab"] | None
+    lm_head: Float[Array, "embed vocab"] | None = param(Role.OUTPUT)
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):

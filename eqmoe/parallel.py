@@ -18,7 +18,10 @@ expert_mlp   tensor                  each expert's width
 experts      expert                  expert parallelism: each device holds E / expert experts
 ===========  ======================  ============================================================
 
-Everything else (``layers``, ``head_dim``, ``seq``, norm scales, the router) is replicated. A dimension
+Everything else (``layers``, ``head_dim``, ``seq``, ``norm`` for norm scales, ``gates`` for the router's
+per-expert scores) is replicated. Each parameter names its logical axes once, in the annotation of the
+field that declares it (``wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)``), with a
+leading ``layers`` axis added for every stacking; an axis name with no rule is an error. A dimension
 whose size the mesh axes do not divide is replicated instead. Rules are overridable
 (``--rules embed=,experts=expert``: an empty right side replicates).
 
@@ -50,6 +53,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": ("tensor",),
     "experts": ("expert",),
     "layers": (),
+    "norm": (),
+    "gates": (),
 }
 Logical = tuple[str | None, ...]
 
@@ -200,64 +205,29 @@ def current() -> Parallelism | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-# --- logical axes of parameters ------------------------------------------------------------------------
-
-_NAMED: dict[str, Logical] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "wq": ("embed", "heads", "head_dim"),
-    "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"),
-    "wo": ("heads", "head_dim", "embed"),
-}
-
-
-def _names(path) -> list[str]:
-    return [str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", "")))) for key in path]
-
-
-def param_axes(path, shape: tuple[int, ...]) -> Logical:
-    """The logical axes of a parameter (or of optimizer state shaped like one) from its pytree path.
-
-    Leaves stacked by ``filter_vmap`` carry extra leading ``layers`` axes. Norm scales, the router and
-    anything unrecognised (step counters, keys) are replicated.
-    """
-    names = _names(path)
-    last = names[-1] if names else ""
-    if "experts" in names and last in ("w_gate", "w_up"):
-        base: Logical = ("experts", "embed", "expert_mlp")
-    elif "experts" in names and last == "w_down":
-        base = ("experts", "expert_mlp", "embed")
-    elif "router" in names and last == "weight":
-        base = ("embed", None)
-    elif "ffn" in names and last in ("w_gate", "w_up"):
-        base = ("embed", "mlp")
-    elif "ffn" in names and last == "w_down":
-        base = ("mlp", "embed")
-    elif last in _NAMED:
-        base = _NAMED[last]
-    else:
-        return (None,) * len(shape)
-    if len(shape) < len(base):
-        return (None,) * len(shape)
-    return ("layers",) * (len(shape) - len(base)) + base
-
-
 def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
 
 
 def tree_shardings(tree: Any, parallelism: Parallelism) -> Any:
     """A ``NamedSharding`` for every array leaf of ``tree`` (a model, a train state, its abstract shape);
-    ``None`` for the other leaves."""
+    ``None`` for the other leaves. Parameters (and optimizer state shaped like them) are split by the
+    logical axes they declare (:func:`eqmoe.nn.param_info`); other arrays are replicated."""
 
-    def sharding(path, leaf):
+    from eqmoe.nn._params import param_info  # eqmoe.nn imports this module
+
+    def sharding(leaf, info):
         if not _is_array(leaf):
             return None
-        shape = tuple(leaf.shape)
-        return parallelism.sharding(param_axes(path, shape), shape)
+        unknown = [axis for axis in info.axes if axis is not None and axis not in parallelism.rules]
+        if unknown:
+            raise ValueError(
+                f"a {info.role.value} parameter of shape {leaf.shape} names logical axis {unknown[0]!r}, which "
+                f"has no sharding rule; rules exist for {', '.join(parallelism.rules)}"
+            )
+        return parallelism.sharding(info.axes, tuple(leaf.shape))
 
-    return jax.tree_util.tree_map_with_path(sharding, tree)
+    return jax.tree.map(sharding, tree, param_info(tree))
 
 
 def shard(tree: Any, parallelism: Parallelism | None) -> Any:

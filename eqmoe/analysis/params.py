@@ -8,6 +8,7 @@ import jax
 
 from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
+from eqmoe.nn._params import param_infos
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,11 @@ def abstract_model(config: ModelConfig) -> Transformer:
 
 def parameter_table(config: ModelConfig) -> list[ParamRow]:
     """One row per parameter array (stacked layers appear once, with their leading ``repeats`` axis)."""
+    model = abstract_model(config)
     rows = []
-    for key_path, leaf in jax.tree_util.tree_leaves_with_path(abstract_model(config)):
+    for (key_path, leaf), info in zip(jax.tree_util.tree_leaves_with_path(model), param_infos(model), strict=True):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".")
-        rows.append(ParamRow(path, tuple(leaf.shape), math.prod(leaf.shape), ".experts." in f".{path}."))
+        rows.append(ParamRow(path, tuple(leaf.shape), math.prod(leaf.shape), info.role.routed))
     return rows
 
 

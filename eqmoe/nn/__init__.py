@@ -1,5 +1,6 @@
 """Building blocks of the decoder, one concept per module."""
 
+from eqmoe.nn._params import Layer, ParamInfo, Role, param, param_info, param_infos
 from eqmoe.nn.attention import Attention, AttentionMask, attention_mask, causal_mask
 from eqmoe.nn.block import Block
 from eqmoe.nn.dispatch import Experts
@@ -15,15 +16,21 @@ __all__ = [
     "AttentionMask",
     "Block",
     "Experts",
+    "Layer",
     "MoE",
+    "ParamInfo",
     "RMSNorm",
     "RepeatedUnit",
+    "Role",
     "Router",
     "RouterStats",
     "Routing",
     "SwiGLU",
     "apply_rope",
     "attention_mask",
+    "param",
+    "param_info",
+    "param_infos",
     "causal_mask",
     "rope_tables",
     "router_stats",

@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import AttentionConfig
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.flash import blockwise_attention
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope
@@ -142,7 +143,7 @@ def _resolve(config: AttentionConfig, mask: AttentionMask, dtype) -> Backend:
     return BACKENDS[name]
 
 
-class Attention(eqx.Module):
+class Attention(Layer):
     """Multi-head attention whose ``num_kv_heads`` key/value heads are shared by groups of query heads.
 
     HF Qwen3MoeAttention: q/k/v projections without bias, RMSNorm over ``head_dim`` on q and k (one
@@ -151,10 +152,10 @@ class Attention(eqx.Module):
     ``k = RMSNorm(RoPE(k))``, scores unscaled. The score computation is ``AttentionConfig.backend``.
     """
 
-    wq: Float[Array, "embed heads head_dim"]
-    wk: Float[Array, "embed kv_heads head_dim"]
-    wv: Float[Array, "embed kv_heads head_dim"]
-    wo: Float[Array, "heads head_dim embed"]
+    wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)
+    wk: Float[Array, "embed kv_heads head_dim"] = param(Role.ATTENTION)
+    wv: Float[Array, "embed kv_heads head_dim"] = param(Role.ATTENTION)
+    wo: Float[Array, "heads head_dim embed"] = param(Role.ATTENTION)
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     config: AttentionConfig = eqx.field(static=True)

@@ -7,6 +7,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import BlockKind, ModelConfig
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer
 from eqmoe.nn.attention import Attention, AttentionMask, LayerCache
 from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
@@ -19,7 +20,7 @@ def model_init(config: ModelConfig) -> Init:
     return Init(config.init, config.init_std, jnp.dtype(config.param_dtype))
 
 
-class Block(eqx.Module):
+class Block(Layer):
     """``x += attention(attn_norm(x))`` then the FFN residual with ``NormConfig.ffn_placement``:
 
     - ``pre``: ``x + ffn(pre_norm(x))`` (HF Qwen3-MoE; ``pre_norm`` is ``post_attention_layernorm``)

@@ -15,17 +15,18 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqmoe.config import MoEConfig
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.grouped import grouped_swiglu
 from eqmoe.nn.mlp import silu
 from eqmoe.nn.router import Routing, expert_capacity
 
 
-class Experts(eqx.Module):
+class Experts(Layer):
     """``num_experts`` SwiGLU experts stored as stacked weights."""
 
-    w_gate: Float[Array, "experts embed expert_dim"]
-    w_up: Float[Array, "experts embed expert_dim"]
-    w_down: Float[Array, "experts expert_dim embed"]
+    w_gate: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
+    w_up: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
+    w_down: Float[Array, "experts expert_mlp embed"] = param(Role.EXPERT)
 
     def __init__(self, num_experts: int, embed_dim: int, expert_dim: int, *, init: Init, key: PRNGKeyArray):
         k_gate, k_up, k_down = jax.random.split(key, 3)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer, Role, param
 
 
 def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
@@ -14,12 +15,12 @@ def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
-class SwiGLU(eqx.Module):
+class SwiGLU(Layer):
     """``down(silu(x @ gate) * (x @ up))``, no biases (HF Qwen3MoeMLP)."""
 
-    w_gate: Float[Array, "embed mlp"]
-    w_up: Float[Array, "embed mlp"]
-    w_down: Float[Array, "mlp embed"]
+    w_gate: Float[Array, "embed mlp"] = param(Role.MLP)
+    w_up: Float[Array, "embed mlp"] = param(Role.MLP)
+    w_down: Float[Array, "mlp embed"] = param(Role.MLP)
 
     def __init__(self, embed_dim: int, mlp_dim: int, *, init: Init, key: PRNGKeyArray):
         k_gate, k_up, k_down = jax.random.split(key, 3)

@@ -9,11 +9,12 @@ from eqmoe import parallel
 from eqmoe.config import MoEConfig
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer
 from eqmoe.nn.expert_parallel import expert_parallel
 from eqmoe.nn.router import Router, RouterStats, router_stats
 
 
-class MoE(eqx.Module):
+class MoE(Layer):
     """A routed-expert FFN over all tokens of the batch at once (HF Qwen3MoeSparseMoeBlock).
 
     On a mesh with an ``expert`` axis the dropless path runs with expert parallelism

@@ -6,8 +6,10 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
+from eqmoe.nn._params import Layer, Role, param
 
-class RMSNorm(eqx.Module):
+
+class RMSNorm(Layer):
     """Root-mean-square norm over the last axis with a learnable scale.
 
     HF Qwen3MoeRMSNorm (``stats_dtype="float32"``): the statistics are taken in float32, the normalised
@@ -16,7 +18,7 @@ class RMSNorm(eqx.Module):
     computes the same in the input dtype throughout.
     """
 
-    weight: Float[Array, " dim"]
+    weight: Float[Array, " norm"] = param(Role.NORM)
     eps: float = eqx.field(static=True)
     stats_dtype: str = eqx.field(static=True)
 
@@ -25,7 +27,7 @@ class RMSNorm(eqx.Module):
         self.eps = eps
         self.stats_dtype = stats_dtype
 
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+    def __call__(self, x: Float[Array, "*batch norm"]) -> Float[Array, "*batch norm"]:
         stats = x.astype(jnp.float32) if self.stats_dtype == "float32" else x
         normed = stats * jax.lax.rsqrt(jnp.mean(jnp.square(stats), axis=-1, keepdims=True) + self.eps)
         return self.weight.astype(x.dtype) * normed.astype(x.dtype)

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import RouterConfig
 from eqmoe.nn._init import Init
+from eqmoe.nn._params import Layer, Role, param
 
 
 class Routing(NamedTuple):
@@ -113,7 +114,7 @@ def capacity_positions(
     return jnp.stack(positions, axis=-1), jnp.stack(kept, axis=-1)
 
 
-class Router(eqx.Module):
+class Router(Layer):
     """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity.
 
     ``bias`` is the aux-loss-free selection bias (float32, zeros at init) when
@@ -121,8 +122,9 @@ class Router(eqx.Module):
     leaves it alone and :func:`eqmoe.train.balance.update_router_biases` moves it after each step.
     """
 
-    weight: Float[Array, "embed experts"]
-    bias: Float[Array, " experts"] | None
+    # "gates": one score per expert, never split over devices (every device picks top-k over all experts).
+    weight: Float[Array, "embed gates"] = param(Role.ROUTER)
+    bias: Float[Array, " gates"] | None = param(Role.ROUTER_BIAS)
     config: RouterConfig = eqx.field(static=True)
 
     def __init__(self, embed_dim: int, config: RouterConfig, *, init: Init, key: PRNGKeyArray):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import ModelConfig, Segment
+from eqmoe.nn._params import Layer
 from eqmoe.nn.attention import AttentionMask, LayerCache
 from eqmoe.nn.block import Block
 from eqmoe.nn.router import RouterStats
@@ -20,7 +21,7 @@ def _interleave(per_position: tuple[RouterStats, ...]) -> RouterStats | None:
     return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *per_position)
 
 
-class RepeatedUnit(eqx.Module):
+class RepeatedUnit(Layer):
     """``repeats`` copies of a unit of blocks; every array leaf carries a leading ``repeats`` axis.
 
     Run as one ``lax.scan`` over that axis, so the program holds one copy of the unit whatever the

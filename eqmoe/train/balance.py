@@ -3,8 +3,8 @@
 After each optimizer step every MoE layer's bias moves by ``rate * sign(mean load - load)``: an expert
 that received more than its share of the batch's assignments becomes less likely to be chosen next
 step, and one that received less becomes more likely. The biases are array leaves of the model (so
-they are saved, restored and sharded with it) that the optimizer never updates (see
-:func:`eqmoe.train.optimizer.is_router_bias`).
+they are saved, restored and sharded with it) that the optimizer never updates (their
+declared role, ``Role.ROUTER_BIAS``, is not trained).
 """
 
 import equinox as eqx

@@ -9,13 +9,13 @@ One :class:`OptimizerConfig` covers both conventions in use:
 ``mup_base_dim`` enables AXLearn's "mup-simple": Adam updates of attention, dense-FFN and expert weights
 are multiplied by ``min(mup_base_dim / embed_dim, 1)``; the router gate, embedding and norms are not.
 
-Router selection biases (aux-loss-free balancing) are not optimised at all: their updates are zero and
-:mod:`eqmoe.train.balance` moves them instead.
+Parameters that are not trained (the router's selection bias, moved by :mod:`eqmoe.train.balance`) get
+no update. Every mask reads the :class:`eqmoe.nn.Role` each parameter declares.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from eqmoe.config import _check, _positive
+from eqmoe.nn._params import Role, param_info
 
 
 @dataclass(frozen=True)
@@ -113,30 +114,14 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     )
 
 
-def _names(path) -> list[str]:
-    return [str(getattr(key, "name", getattr(key, "key", ""))) for key in path]
+def _mask(params, predicate: Callable[[Role], bool]):
+    """``predicate(role)`` for every parameter of ``params`` (its declared :class:`Role`)."""
+    return jax.tree.map(lambda info: info.role is not None and predicate(info.role), param_info(params))
 
 
-def is_norm_scale(path) -> bool:
-    """RMSNorm scales (``attn_norm``, ``pre_norm``, ``post_norm``, ``q_norm``, ``k_norm``, ``final_norm``)."""
-    return any(name.endswith("norm") for name in _names(path))
-
-
-def is_mup_scaled(path) -> bool:
-    """Attention projections, dense-FFN and expert weights (not the router gate, embedding or norms)."""
-    names = _names(path)
-    if is_norm_scale(path) or "router" in names:
-        return False
-    return names[-1] in ("wq", "wk", "wv", "wo") or (names[-1].startswith("w_") and "ffn" in names)
-
-
-def is_router_bias(path) -> bool:
-    """The routers' aux-loss-free selection biases: state moved by ``eqmoe.train.balance``, not trained."""
-    return _names(path)[-2:] == ["router", "bias"]
-
-
-def _mask(params, predicate: Callable[[Any], bool]):
-    return jax.tree_util.tree_map_with_path(lambda path, _: predicate(path), params)
+def decays(config: OptimizerConfig, role: Role) -> bool:
+    """Whether weight decay applies: every parameter but the norm scales (unless ``decay_norms``)."""
+    return config.decay_norms or role is not Role.NORM
 
 
 class _CountState(NamedTuple):
@@ -163,12 +148,12 @@ def make_optimizer(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
     schedule = learning_rate_schedule(config)
-    decay_mask = _mask(params, lambda path: config.decay_norms or not is_norm_scale(path))
+    decay_mask = _mask(params, lambda role: decays(config, role))
     steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
     steps.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
     if config.mup_base_dim is not None:
         factor = min(config.mup_base_dim / embed_dim, 1.0)
-        steps.append(optax.masked(optax.scale(factor), _mask(params, is_mup_scaled)))
+        steps.append(optax.masked(optax.scale(factor), _mask(params, lambda role: role.hidden_matrix)))
     if config.decay_scaled_by_schedule:
         steps.append(optax.scale_by_learning_rate(schedule))
         decay = _decay_scaled_by_schedule(config.weight_decay, schedule, config.learning_rate)
@@ -179,7 +164,8 @@ def make_optimizer(
     optimizer = optax.chain(*steps)
 
     def labels(tree):  # a function: optax would call a model-shaped label tree (equinox modules are callable)
-        return _mask(tree, lambda path: "state" if is_router_bias(path) else "trained")
+        trained = _mask(tree, lambda role: role.trained)
+        return jax.tree.map(lambda is_trained: "trained" if is_trained else "state", trained)
 
     if "state" in jax.tree.leaves(labels(params)):
         optimizer = optax.multi_transform({"trained": optimizer, "state": optax.set_to_zero()}, labels)
