@@ -242,6 +242,8 @@ class ModelConfig:
     ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
     ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
     ``embed_dim^-0.5`` (``"rsqrt_embed"``, MaxText).
+    ``family``: the :mod:`eqmoe.models` family whose checkpoint formats read and write this config
+    (``"qwen3_moe"``, whose Hugging Face format also holds the generic decoder's defaults, or ``"envy"``).
     """
 
     vocab_size: int
@@ -260,9 +262,11 @@ class ModelConfig:
     param_dtype: DType = "float32"
     scan_layers: bool = True
     remat: Literal["none", "block"] = "none"
+    family: str = "qwen3_moe"
 
     def __post_init__(self):
         _positive("ModelConfig", vocab_size=self.vocab_size, embed_dim=self.embed_dim, init_std=self.init_std)
+        _check(bool(self.family), "ModelConfig", "family", self.family, "a registered model family name")
         _check(len(self.layers) > 0, "ModelConfig", "layers", self.layers, "at least one Segment")
         kinds = {kind for segment in self.layers for kind in segment.unit}
         if "moe" in kinds:

@@ -1,9 +1,9 @@
 """Named model configurations: ``eqmoe.presets.get("qwen3-30b-a3b")``."""
 
 from eqmoe.config import ModelConfig
-from eqmoe.models import envy, qwen3_moe
+from eqmoe.models.family import all_presets
 
-_REGISTRY: dict[str, ModelConfig] = {**qwen3_moe.PRESETS, **envy.PRESETS}
+_REGISTRY: dict[str, ModelConfig] = all_presets()
 
 
 def names() -> list[str]:

@@ -52,7 +52,7 @@ def _expected_tensors(folder: Path) -> dict[str, tuple[int, ...]]:
     config = hf.read_config(folder)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {hf._leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-    return {name.key: hf._checkpoint_shape(name, leaves[name.path].shape) for name in checkpoint_names(config)}
+    return {name.key: name.checkpoint_shape(leaves[name.path].shape) for name in checkpoint_names(config)}
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

@@ -7,11 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import Array, Float
 
 from eqmoe import Transformer, presets
 from eqmoe.analysis import count_parameters
 from eqmoe.config import AttentionConfig, RouterConfig
 from eqmoe.losses import next_token_cross_entropy, objective
+from eqmoe.nn import Layer, Role, param
 from eqmoe.nn._init import Init
 from eqmoe.nn.attention import Attention, attention_mask
 from eqmoe.nn.rope import rope_tables
@@ -196,11 +198,7 @@ def _layer_input(model: Transformer, tokens):
 def test_envy_optimizer_step_matches_the_axlearn_update_rule():
     """One step re-derived in NumPy: p -= lr_t * mup * adam(clip(g)) + wd * (lr_t / lr) * p."""
     config = dataclasses.replace(envy_optimizer(1536), warmup_steps=2, decay_steps=10)
-    params = {
-        "attention": {"wq": jnp.full((3,), 2.0)},
-        "router": {"weight": jnp.full((3,), -1.0)},
-        "final_norm": {"weight": jnp.ones(3)},
-    }
+    params = _ThreeRoles(wq=jnp.full((3,), 2.0), router=jnp.full((3,), -1.0), norm=jnp.ones(3))
     grads = jax.tree.map(lambda p: jnp.arange(1.0, 4.0) * 10.0, params)
     tx, schedule = make_optimizer(config, params, embed_dim=1536)
     state = tx.init(params)
@@ -217,9 +215,22 @@ def test_envy_optimizer_step_matches_the_axlearn_update_rule():
         "router": -lr * adam - 1e-4 * (lr / 0.01) * -1.0,
         "norm": -lr * adam,
     }
-    np.testing.assert_allclose(updates["attention"]["wq"], expected["wq"], rtol=1e-5)
-    np.testing.assert_allclose(updates["router"]["weight"], expected["router"], rtol=1e-5)
-    np.testing.assert_allclose(updates["final_norm"]["weight"], expected["norm"], rtol=1e-5)
+    np.testing.assert_allclose(updates.wq, expected["wq"], rtol=1e-5)
+    np.testing.assert_allclose(updates.router, expected["router"], rtol=1e-5)
+    np.testing.assert_allclose(updates.norm, expected["norm"], rtol=1e-5)
+
+
+class _ThreeRoles(Layer):
+    """One parameter of each role the AXLearn rule treats differently: mup-scaled, decayed, neither."""
+
+    wq: Float[Array, " n"] = param(Role.ATTENTION)
+    router: Float[Array, " n"] = param(Role.ROUTER)
+    norm: Float[Array, " n"] = param(Role.NORM)
+
+
+def test_an_optimizer_refuses_arrays_without_a_role():
+    with pytest.raises(ValueError, match=r"\['wq'\] is an array outside any eqmoe.nn.Layer"):
+        make_optimizer(envy_optimizer(1536), {"wq": jnp.ones(3)}, embed_dim=1536)
 
 
 # --- learning ------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Hugging Face checkpoints: Qwen3-MoE folders (``config.json`` + safetensors) to and from a Transformer."""
+"""Hugging Face checkpoints (``config.json`` + safetensors) to and from a Transformer.
+
+The format of each architecture (its ``config.json`` fields and tensor names) belongs to its model family
+(:mod:`eqmoe.models`): a folder is read by the family its ``model_type`` names, and a model is written by
+the family its ``config.family`` names."""
 
 import json
 import math
@@ -15,7 +19,8 @@ from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
-from eqmoe.models.qwen3_moe import TensorName, checkpoint_names, config_from_hf, config_to_hf
+from eqmoe.models import family as families
+from eqmoe.models.family import TensorName
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -42,7 +47,7 @@ def read_config(folder: str | Path) -> ModelConfig:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    return config_from_hf(hf, str(path))
+    return families.from_hf_model_type(hf.get("model_type"), str(path)).config_from_hf(hf, str(path))
 
 
 def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -102,14 +107,6 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     return {key: file for key in file.keys()}  # noqa: SIM118
 
 
-def _checkpoint_shape(name: TensorName, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The tensor's shape in the checkpoint: torch ``[out, in]`` for linear weights."""
-    piece = leaf_shape[len(name.index) :]
-    if name.linear_in_dims:
-        return (math.prod(piece[name.linear_in_dims :]), math.prod(piece[: name.linear_in_dims]))
-    return piece
-
-
 def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
     return tensor.T.reshape(piece) if name.linear_in_dims else tensor
 
@@ -129,7 +126,7 @@ def _get(tree, path: tuple[str | int, ...]):
 def iter_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
     """``(checkpoint name, tensor)`` for every parameter, one tensor at a time: only that tensor's slice
     of a stacked leaf is copied to the host."""
-    for name in checkpoint_names(model.config):
+    for name in _checkpoint_names(model.config):
         yield name.key, _to_checkpoint_layout(name, np.asarray(_get(model, name.path)[name.index]))
 
 
@@ -139,6 +136,10 @@ def state_dict(model: Transformer) -> dict[str, np.ndarray]:
     return dict(iter_tensors(model))
 
 
+def _checkpoint_names(config: ModelConfig) -> list[TensorName]:
+    return families.get(config.family).checkpoint_names(config)
+
+
 def _leaf_path(key_path) -> tuple[str | int, ...]:
     return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
 
@@ -146,7 +147,7 @@ def _leaf_path(key_path) -> tuple[str | int, ...]:
 def load(
     folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32, compute_dtype: str | jnp.dtype | None = None
 ) -> Transformer:
-    """Load a Hugging Face Qwen3-MoE folder as a :class:`Transformer` whose parameters are ``dtype``
+    """Load a Hugging Face folder (any registered family) as a :class:`Transformer` whose parameters are ``dtype``
     and whose forward pass computes in ``compute_dtype`` (default: ``dtype``).
 
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
@@ -160,13 +161,13 @@ def load(
     config = read_config(folder).replace(param_dtype=param_dtype, dtype=jnp.dtype(compute_dtype or dtype).name)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-    names = checkpoint_names(config)
+    names = _checkpoint_names(config)
     files = _weight_files(folder)
 
     problems = []
     expected = {name.key for name in names}
     for name in names:
-        want = _checkpoint_shape(name, leaves[name.path].shape)
+        want = name.checkpoint_shape(leaves[name.path].shape)
         if name.key not in files:
             problems.append(f"missing tensor {name.key} (expected shape {want})")
         elif (found := files[name.key].shape(name.key)) != want:
@@ -222,7 +223,7 @@ def save(
     overwrite: bool = False,
     extra_files: list[Path] = (),
 ) -> Path:
-    """Write ``model`` as a Hugging Face Qwen3-MoE folder: ``config.json`` and ``model.safetensors``, or
+    """Write ``model`` as a Hugging Face folder of its family: ``config.json`` and ``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the tensors
     exceed ``max_shard_size``. Tensors are cast to ``dtype`` (default: the parameters' dtype).
 
@@ -236,7 +237,7 @@ def save(
     folder = Path(folder)
     limit = _shard_bytes(max_shard_size)
     target = None if dtype is None else jnp.dtype(dtype)
-    hf_config = config_to_hf(model.config)
+    hf_config = families.get(model.config.family).config_to_hf(model.config)
     hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
     with staged_folder(folder, overwrite=overwrite) as staging:
         for extra in extra_files:

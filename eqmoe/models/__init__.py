@@ -1,1 +1,6 @@
-"""Model families: published presets and checkpoint name maps, each knowing only ``eqmoe.config``."""
+"""Model families (:mod:`eqmoe.models.family`): one file each, which registers itself; imported here."""
+
+from eqmoe.models import envy, qwen3_moe  # noqa: F401 (each registers its family)
+from eqmoe.models.family import Family, get, names, register
+
+__all__ = ["Family", "get", "names", "register"]

@@ -25,6 +25,9 @@ from eqmoe.config import (
     RouterConfig,
     Segment,
 )
+from eqmoe.models.family import Family, register
+
+NAME = "envy"
 
 # (repeats, model dim, q heads, kv heads, head dim, FFN width = expert width, experts, vocab, FFN norm)
 _SIZES = {
@@ -65,6 +68,7 @@ def axlearn_envy(size: str) -> ModelConfig:
         tied_logit_scale="none",
         init="fan_in",
         dtype="float32" if size == "test" else "bfloat16",
+        family=NAME,
     )
 
 
@@ -149,3 +153,7 @@ def reference_name(path: str, shape: tuple[int, ...]) -> ReferenceName:
         maxtext_shape = (rest[0], repeats)
     prefix = f"decoder/transformer/repeat/layer/layer{layer}/"
     return ReferenceName(prefix + axlearn, axlearn_shape, f"decoder/layers/layer_{layer}/" + maxtext, maxtext_shape)
+
+
+# No Hugging Face format; reference_name maps parameters to AXLearn's and MaxText's names.
+FAMILY = register(Family(name=NAME, presets=PRESETS))

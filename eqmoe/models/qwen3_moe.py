@@ -1,7 +1,6 @@
-"""Qwen3-MoE: published presets, the Hugging Face ``config.json`` reader and the checkpoint name map."""
+"""The Qwen3-MoE family: published presets, the Hugging Face ``config.json`` reader and writer and the
+checkpoint name map."""
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from eqmoe.config import (
@@ -13,6 +12,9 @@ from eqmoe.config import (
     RouterConfig,
     segments_from_kinds,
 )
+from eqmoe.models.family import Family, TensorName, layer_slots, register
+
+NAME = "qwen3_moe"
 
 
 def _qwen3_moe(
@@ -49,6 +51,7 @@ def _qwen3_moe(
         norm=NormConfig(eps=eps, ffn_placement="pre"),
         loss=LossConfig(load_balance="hf_pooled", load_balance_weight=aux_coef),
         tie_embeddings=tie,
+        family=NAME,
     )
 
 
@@ -150,8 +153,8 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
     options eqmoe does not implement (sliding windows, attention biases, non-SiLU activations).
     """
     model_type = hf.get("model_type")
-    if model_type != "qwen3_moe":
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: 'qwen3_moe'")
+    if model_type != NAME:
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {NAME!r}")
     if hf.get("use_sliding_window", False):
         raise ValueError(f"{source}: use_sliding_window=true is not supported")
     if hf.get("attention_bias", False):
@@ -212,31 +215,6 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
 # --- Checkpoint name map ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorName:
-    """Where one checkpoint tensor lives in the eqmoe model.
-
-    ``path`` names a leaf of the model (attribute names and tuple indices); ``index`` selects the slice
-    of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
-    torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
-    """
-
-    key: str
-    path: tuple[str | int, ...]
-    index: tuple[int, ...]
-    linear_in_dims: int = 0
-
-
-def _layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]]:
-    """(layer, segment, repeat, position in unit, kind) for every layer in checkpoint order."""
-    layer = 0
-    for s, segment in enumerate(config.layers):
-        for r in range(segment.repeats):
-            for u, kind in enumerate(segment.unit):
-                yield layer, s, r, u, kind
-                layer += 1
-
-
 def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     """Every tensor of a Hugging Face Qwen3-MoE checkpoint for ``config``, in the Hub's key names."""
     names = [
@@ -246,7 +224,7 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     if not config.tie_embeddings:
         names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
     num_experts = config.moe.router.num_experts if config.moe else 0
-    for layer, s, r, u, kind in _layer_slots(config):
+    for layer, s, r, u, kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
         names += [
@@ -325,3 +303,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": 32768,
         "dtype": config.param_dtype,
     }
+
+
+FAMILY = register(
+    Family(
+        name=NAME,
+        presets=PRESETS,
+        hf_model_type=NAME,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        checkpoint_names=checkpoint_names,
+    )
+)

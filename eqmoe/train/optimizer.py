@@ -116,7 +116,17 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 def _mask(params, predicate: Callable[[Role], bool]):
     """``predicate(role)`` for every parameter of ``params`` (its declared :class:`Role`)."""
-    return jax.tree.map(lambda info: info.role is not None and predicate(info.role), param_info(params))
+    return jax.tree.map(lambda info: predicate(info.role), param_info(params))
+
+
+def _check_declared(params) -> None:
+    infos = jax.tree_util.tree_leaves_with_path(param_info(params))
+    undeclared = [jax.tree_util.keystr(path) for path, info in infos if info.role is None]
+    if undeclared:
+        raise ValueError(
+            f"make_optimizer: {undeclared[0]} is an array outside any eqmoe.nn.Layer, so it has no declared role "
+            "(decay, mup and training all depend on the role)"
+        )
 
 
 def decays(config: OptimizerConfig, role: Role) -> bool:
@@ -147,6 +157,7 @@ def make_optimizer(
     config: OptimizerConfig, params, *, embed_dim: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
+    _check_declared(params)
     schedule = learning_rate_schedule(config)
     decay_mask = _mask(params, lambda role: decays(config, role))
     steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]

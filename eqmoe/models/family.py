@@ -1,0 +1,128 @@
+"""Model families: what one published architecture (Qwen3-MoE, Envy, ...) brings to the generic decoder.
+
+A family is its presets, its Hugging Face ``config.json`` reading and writing, and its checkpoint name
+map, registered by name (the Hugging Face ``model_type`` where it has one). ``ModelConfig.family`` says
+which family reads and writes a config's checkpoints; :mod:`eqmoe.checkpoints.hf` dispatches through it
+and knows no family by name. A new family is one file that builds a :class:`Family` and one import line in
+``eqmoe/models/__init__.py``.
+"""
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from eqmoe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorName:
+    """Where one checkpoint tensor lives in the eqmoe model.
+
+    ``path`` names a leaf of the model (attribute names and tuple indices); ``index`` selects the slice
+    of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
+    torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
+    """
+
+    key: str
+    path: tuple[str | int, ...]
+    index: tuple[int, ...]
+    linear_in_dims: int = 0
+
+    def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""
+        piece = leaf_shape[len(self.index) :]
+        if self.linear_in_dims:
+            return (math.prod(piece[self.linear_in_dims :]), math.prod(piece[: self.linear_in_dims]))
+        return piece
+
+
+def layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]]:
+    """``(layer, segment, repeat, position in unit, kind)`` for every layer in checkpoint order."""
+    layer = 0
+    for s, segment in enumerate(config.layers):
+        for r in range(segment.repeats):
+            for u, kind in enumerate(segment.unit):
+                yield layer, s, r, u, kind
+                layer += 1
+
+
+def _no_hf_format(name: str) -> Callable[..., Any]:
+    def refuse(*_args, **_kwargs):
+        raise ValueError(f"model family {name!r} has no Hugging Face checkpoint format")
+
+    return refuse
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family.
+
+    **Arguments:**
+
+    - ``name``: the registry key, equal to the Hugging Face ``model_type`` when the family has one.
+    - ``presets``: published and CPU-sized configurations, by preset name.
+    - ``config_from_hf(hf, source)``: a ``ModelConfig`` from a ``config.json`` dictionary; refuses, naming
+      the field, whatever the family's checkpoints carry that eqmoe cannot reproduce exactly.
+    - ``config_to_hf(config)``: the ``config.json`` dictionary; a ``ValueError`` names the first field the
+      family's Hugging Face model cannot express.
+    - ``checkpoint_names(config)``: every checkpoint tensor of ``config`` and where it lives in the model.
+
+    A family without a Hugging Face format (``hf_model_type=None``) leaves the three functions out; they
+    then refuse with a ``ValueError`` naming the family.
+    """
+
+    name: str
+    presets: Mapping[str, ModelConfig]
+    hf_model_type: str | None = None
+    config_from_hf: Callable[[dict[str, Any], str], ModelConfig] | None = None
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
+    checkpoint_names: Callable[[ModelConfig], list[TensorName]] | None = None
+
+    def __post_init__(self):
+        for name in ("config_from_hf", "config_to_hf", "checkpoint_names"):
+            if getattr(self, name) is None:
+                if self.hf_model_type is not None:
+                    raise ValueError(f"family {self.name!r} has a Hugging Face model_type but no {name}")
+                object.__setattr__(self, name, _no_hf_format(self.name))
+        for preset, config in self.presets.items():
+            if config.family != self.name:
+                raise ValueError(f"preset {preset!r} of family {self.name!r} says family={config.family!r}")
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the registry (its name and presets must be new)."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    taken = {preset for other in _FAMILIES.values() for preset in other.presets}
+    if clash := sorted(taken & set(family.presets)):
+        raise ValueError(f"family {family.name!r}: preset {clash[0]!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get(name: str) -> Family:
+    """The family registered as ``name``; a ``ValueError`` naming the registered ones otherwise."""
+    if name not in _FAMILIES:
+        raise ValueError(f"model family {name!r} is not registered; registered: {' | '.join(names())}")
+    return _FAMILIES[name]
+
+
+def from_hf_model_type(model_type: Any, source: str) -> Family:
+    """The family whose checkpoints say ``"model_type": model_type`` in ``config.json``."""
+    for family in _FAMILIES.values():
+        if family.hf_model_type is not None and family.hf_model_type == model_type:
+            return family
+    known = sorted(f.hf_model_type for f in _FAMILIES.values() if f.hf_model_type)
+    raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {' | '.join(known)}")
+
+
+def all_presets() -> dict[str, ModelConfig]:
+    return {name: config for family in _FAMILIES.values() for name, config in family.presets.items()}
