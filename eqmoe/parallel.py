@@ -68,19 +68,21 @@ def mesh_sizes(spec: str) -> dict[str, int]:
         name, equals, value = part.partition("=")
         name = name.strip()
         if not equals or name not in MESH_AXES:
-            raise ValueError(f"--mesh {spec!r}: {part!r} is invalid; allowed: AXIS=SIZE with AXIS one of {MESH_AXES}")
+            raise ValueError(
+                f"mesh spec {spec!r}: {part!r} is invalid; allowed: AXIS=SIZE with AXIS one of {MESH_AXES}"
+            )
         if name in named:
-            raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} is given twice")
         try:
             size = int(value)
         except ValueError:
-            raise ValueError(f"--mesh {spec!r}: size {value!r} of {name} is not an integer") from None
+            raise ValueError(f"mesh spec {spec!r}: size {value!r} of {name} is not an integer") from None
         if size == 0 or size < -1:
-            raise ValueError(f"--mesh {spec!r}: size {size} of {name} is invalid; allowed: a positive integer or -1")
+            raise ValueError(f"mesh spec {spec!r}: size {size} of {name} is invalid; allowed: a positive integer or -1")
         sizes[name] = size
         named.add(name)
     if sum(size == -1 for size in sizes.values()) > 1:
-        raise ValueError(f"--mesh {spec!r}: only one axis may be -1")
+        raise ValueError(f"mesh spec {spec!r}: only one axis may be -1")
     return sizes
 
 
@@ -92,11 +94,11 @@ def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         if device_count % known:
-            raise ValueError(f"--mesh {spec!r}: {known} does not divide the {device_count} devices")
+            raise ValueError(f"mesh spec {spec!r}: {known} does not divide the {device_count} devices")
         sizes[rest[0]] = device_count // known
     if math.prod(sizes.values()) != device_count:
         raise ValueError(
-            f"--mesh {spec!r}: {math.prod(sizes.values())} devices named but {device_count} are present "
+            f"mesh spec {spec!r}: {math.prod(sizes.values())} devices named but {device_count} are present "
             "(use -1 on one axis for the rest)"
         )
     return sizes
@@ -110,13 +112,13 @@ def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
         name, equals, value = part.partition("=")
         if not equals or name.strip() not in DEFAULT_RULES:
             raise ValueError(
-                f"--rules {text!r}: {part!r} is invalid; allowed: LOGICAL=AXIS[+AXIS] with LOGICAL one of "
+                f"rules {text!r}: {part!r} is invalid; allowed: LOGICAL=AXIS[+AXIS] with LOGICAL one of "
                 f"{', '.join(DEFAULT_RULES)}"
             )
         axes = tuple(a.strip() for a in value.split("+") if a.strip())
         unknown = [a for a in axes if a not in MESH_AXES]
         if unknown:
-            raise ValueError(f"--rules {text!r}: unknown mesh axis {unknown[0]!r}; allowed: {', '.join(MESH_AXES)}")
+            raise ValueError(f"rules {text!r}: unknown mesh axis {unknown[0]!r}; allowed: {', '.join(MESH_AXES)}")
         rules[name.strip()] = axes
     return rules
 

@@ -14,11 +14,11 @@ CASES = [
     ("sft", ["--out-dir", "/sys/eqmoe-run", "--steps", "1", "--train-examples", "20"], "/sys/eqmoe-run"),
     ("pretrain", ["--data", "{tmp}/missing.txt"], "missing.txt: data file not found"),
     ("pretrain", ["--override", "moe.router.top_k=0"], "top_k=0"),
-    ("pretrain", ["--mesh", "data=3"], "--mesh 'data=3'"),
+    ("pretrain", ["--mesh", "data=3"], "mesh spec 'data=3'"),
     ("ablate", ["--variants", "nope"], "unknown variant(s) nope"),
     ("convert", ["--hf", "{tmp}/missing", "--out", "{tmp}/out"], "missing"),
     ("generate", ["--hf", "{tmp}/missing", "--prompt", "hi"], "missing"),
-    ("plan", ["--mesh", "data=3,pipeline=2", "--no-compile"], "plan: --mesh"),
+    ("plan", ["--mesh", "data=3,pipeline=2", "--no-compile"], "plan: mesh spec"),
 ]
 
 

@@ -53,7 +53,7 @@ def test_plan_cli_prints_json_and_reports_bad_meshes_in_one_line(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["remat"] for r in rows] == ["none", "block"] and rows[0]["compiled"]["temp"] > rows[1]["compiled"]["temp"]
     assert plan_cli.main(plan_cli.Args(mesh=("data=3,pipeline=2",), compile=False)) == 2
-    assert "plan: --mesh" in capsys.readouterr().err
+    assert "plan: mesh spec 'data=3,pipeline=2'" in capsys.readouterr().err
 
 
 def test_train_step_memory_is_linear_in_sequence_length():
