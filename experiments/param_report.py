@@ -5,8 +5,8 @@
 
 Prints one row per parameter array (stacked layers appear once, with their leading ``repeats`` axis)
 and the total and active counts; active counts only ``top_k / num_experts`` of the routed experts.
-For the Envy presets each row also names the same parameter in AXLearn and in MaxText, with its shape
-there (the parameter-equivalence report).
+A family may add columns: for the Envy presets each row also names the same parameter in AXLearn and in
+MaxText, with its shape there (the parameter-equivalence report).
 """
 
 import json
@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 
 import tyro
 
-from eqmoe import presets
+from eqmoe import models, presets
 from eqmoe.analysis import ParamRow, count_parameters, parameter_table
-from eqmoe.models import envy
+from eqmoe.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -33,26 +33,19 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
-def _reference_columns(preset: str, row: ParamRow) -> dict[str, str]:
-    """AXLearn and MaxText names of an Envy parameter (the parameter-equivalence report)."""
-    if not preset.startswith("envy-"):
-        return {}
-    name = envy.reference_name(row.path, row.shape)
-    return {
-        "axlearn": name.axlearn,
-        "axlearn shape": _shape(name.axlearn_shape),
-        "maxtext": name.maxtext,
-        "maxtext shape": _shape(name.maxtext_shape),
-    }
+def _reference_columns(config: ModelConfig, row: ParamRow) -> dict[str, str]:
+    """The family's names of the parameter in its reference codebases (Envy: AXLearn and MaxText)."""
+    columns = models.get(config.family).reference_columns
+    return {} if columns is None else columns(row.path, row.shape)
 
 
-def format_table(preset: str, rows: list[ParamRow], total: int, active: int) -> str:
+def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: int) -> str:
     """The per-parameter table, then the total and active counts with thousands separators."""
     records = [
         {
             "path": row.path,
             "shape": _shape(row.shape),
-            **_reference_columns(preset, row),
+            **_reference_columns(config, row),
             "count": f"{row.count:,}",
             "routed": "yes" if row.routed else "",
         }
@@ -80,11 +73,11 @@ def main(args: Args) -> int:
     rows = parameter_table(config)
     total, active = count_parameters(config, rows)
     if args.json:
-        parameters = [{**asdict(row), "shape": list(row.shape), **_reference_columns(args.preset, row)} for row in rows]
+        parameters = [{**asdict(row), "shape": list(row.shape), **_reference_columns(config, row)} for row in rows]
         print(json.dumps({"preset": args.preset, "total": total, "active": active, "parameters": parameters}))
     else:
         print(f"preset {args.preset}\n")
-        print(format_table(args.preset, rows, total, active))
+        print(format_table(config, rows, total, active))
     return 0
 
 

@@ -155,5 +155,20 @@ def reference_name(path: str, shape: tuple[int, ...]) -> ReferenceName:
     return ReferenceName(prefix + axlearn, axlearn_shape, f"decoder/layers/layer_{layer}/" + maxtext, maxtext_shape)
 
 
-# No Hugging Face format; reference_name maps parameters to AXLearn's and MaxText's names.
-FAMILY = register(Family(name=NAME, presets=PRESETS))
+def reference_columns(path: str, shape: tuple[int, ...]) -> dict[str, str]:
+    """The parameter report's columns: the parameter's name and shape in AXLearn and in MaxText."""
+    name = reference_name(path, shape)
+
+    def text(shape: tuple[int, ...]) -> str:
+        return "x".join(map(str, shape)) or "scalar"
+
+    return {
+        "axlearn": name.axlearn,
+        "axlearn shape": text(name.axlearn_shape),
+        "maxtext": name.maxtext,
+        "maxtext shape": text(name.maxtext_shape),
+    }
+
+
+# No Hugging Face format: the parameter report names each parameter in AXLearn and MaxText instead.
+FAMILY = register(Family(name=NAME, presets=PRESETS, reference_columns=reference_columns))

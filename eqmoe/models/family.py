@@ -67,6 +67,8 @@ class Family:
     - ``config_to_hf(config)``: the ``config.json`` dictionary; a ``ValueError`` names the first field the
       family's Hugging Face model cannot express.
     - ``checkpoint_names(config)``: every checkpoint tensor of ``config`` and where it lives in the model.
+    - ``reference_columns(path, shape)``: optional extra columns of the parameter report, naming the
+      parameter at ``path`` in the family's reference codebases.
 
     A family without a Hugging Face format (``hf_model_type=None``) leaves the three functions out; they
     then refuse with a ``ValueError`` naming the family.
@@ -78,6 +80,7 @@ class Family:
     config_from_hf: Callable[[dict[str, Any], str], ModelConfig] | None = None
     config_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     checkpoint_names: Callable[[ModelConfig], list[TensorName]] | None = None
+    reference_columns: Callable[[str, tuple[int, ...]], dict[str, str]] | None = None
 
     def __post_init__(self):
         for name in ("config_from_hf", "config_to_hf", "checkpoint_names"):
