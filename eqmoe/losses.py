@@ -1,4 +1,11 @@
-"""Training losses: next-token cross-entropy, output z-loss and the router losses, every term reported."""
+"""Training losses: next-token cross-entropy, output z-loss and the router losses, every term reported.
+
+The load-balancing forms are registered in :data:`LOAD_BALANCE` (name -> function of the stacked
+:class:`~eqmoe.nn.router.RouterStats` giving the scalar); ``LossConfig.load_balance`` accepts exactly the
+registered names, and :func:`objective` reports every form and trains the configured one.
+"""
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +14,7 @@ from jaxtyping import Array, Bool, Float, Int
 from eqmoe.config import ModelConfig
 from eqmoe.model import ModelOutput
 from eqmoe.nn.router import RouterStats
+from eqmoe.registry import Registry
 
 
 def next_token_losses(
@@ -38,6 +46,12 @@ def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
     return num_experts * jnp.sum((aux.expert_counts.sum(0) / rows) * (aux.prob_sum.sum(0) / rows))
 
 
+LOAD_BALANCE: Registry[Callable[[RouterStats], Float[Array, ""]]] = Registry("load-balance form")
+LOAD_BALANCE.register("hf_pooled", pooled_load_balance)
+LOAD_BALANCE.register("axlearn_top1", lambda aux: jnp.mean(aux.top1_balance))  # per layer, averaged
+LOAD_BALANCE.register("maxtext_sequence", lambda aux: jnp.mean(aux.sequence_balance))  # per layer, averaged
+
+
 def objective(
     output: ModelOutput, tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"], config: ModelConfig
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
@@ -45,17 +59,14 @@ def objective(
 
     ``loss = CE + output_z_loss_weight * output_z + load_balance_weight * LB[load_balance]
     + router_z_loss_weight * router_z`` with the weights and the load-balancing form from ``config.loss``.
+    Every form registered in :data:`LOAD_BALANCE` is reported as ``load_balance_{name}``.
     """
     weights = config.loss
     cross_entropy, output_z = next_token_losses(output.logits, tokens, target_mask)
     terms = {"cross_entropy": cross_entropy, "output_z_loss": output_z}
     loss = cross_entropy + weights.output_z_loss_weight * output_z
     if output.aux is not None:
-        balance = {
-            "hf_pooled": pooled_load_balance(output.aux),
-            "axlearn_top1": jnp.mean(output.aux.top1_balance),
-            "maxtext_sequence": jnp.mean(output.aux.sequence_balance),
-        }
+        balance = {name: form(output.aux) for name, form in LOAD_BALANCE.items()}
         terms.update({f"load_balance_{name}": value for name, value in balance.items()})
         terms["load_balance"] = balance[weights.load_balance]
         terms["router_z_loss"] = jnp.mean(output.aux.z_loss)

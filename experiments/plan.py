@@ -40,8 +40,9 @@ class Args:
     """Compute dtype (parameters and optimizer state stay float32)."""
     remat: tuple[Literal["none", "block"], ...] = ("none",)
     """Remat policy or policies: none keeps every activation, block recomputes each layer unit."""
-    dispatch: Literal["auto", "sorted", "ragged_dot", "dense", "capacity"] = "auto"
-    """MoE dispatch backend to plan (auto: what the preset runs on this machine's CPU)."""
+    dispatch: str = "auto"
+    """MoE dispatch backend to plan: auto (what the preset runs on this machine's CPU) or a backend registered
+    in eqmoe.nn.dispatch.BACKENDS (built in: dense, sorted, ragged_dot, capacity), planned by its estimate."""
     peak_tflops: float = 989.0
     """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
     mfu: float = 0.4
@@ -69,7 +70,10 @@ def plan(args: Args) -> list[dict]:
     from eqmoe import parallel, presets
     from eqmoe.analysis import plan as planning
     from eqmoe.config import apply_overrides
+    from eqmoe.nn.dispatch import BACKENDS
 
+    if args.dispatch != "auto" and args.dispatch not in BACKENDS:
+        raise ValueError(f"--dispatch {args.dispatch!r} is invalid; allowed: auto | {' | '.join(BACKENDS.names())}")
     rows = []
     for spec in args.mesh:
         needed = _devices_needed((spec,))

@@ -146,7 +146,7 @@ _CHOICES = [
     (NormConfig, "NormConfig", "stats_dtype", "float64", ("float32", "input")),
     (_attention, "AttentionConfig", "qk_norm", "after_norm", ("none", "before_rope", "after_rope")),
     (_attention, "AttentionConfig", "rope_layout", "sideways", ("half_split", "interleaved")),
-    (_attention, "AttentionConfig", "backend", "flash3", ("auto", "blockwise", "dense", "cudnn")),
+    (_attention, "AttentionConfig", "backend", "flash3", ("blockwise", "dense", "cudnn", "auto")),
     (_router, "RouterConfig", "strategy", "sigmoid", ("softmax_top_k", "top_k_softmax", "top2_gating")),
     (LossConfig, "LossConfig", "load_balance", "global", ("hf_pooled", "axlearn_top1", "maxtext_sequence")),
     (_model, "ModelConfig", "init", "xavier", ("normal", "fan_in")),

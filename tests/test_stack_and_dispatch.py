@@ -82,7 +82,7 @@ def _dispatch_outputs_and_grads(backend, moe, x, weights, experts, block_size):
             jnp.zeros((x.shape[0], config.router.num_experts)),
             jnp.zeros((x.shape[0], config.router.num_experts)),
         )
-        y = dispatch.BACKENDS[backend](x, routing, params, config)
+        y = dispatch.BACKENDS.get(backend).run(x, routing, params, config)
         return jnp.sum(jnp.sin(y)), y
 
     (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, weights, moe.experts)

@@ -139,32 +139,21 @@ _RESIDUAL_COPIES = 6
 
 
 def _moe_bytes_per_token(config: ModelConfig, p: parallel.Parallelism, tokens: int, c: int) -> float:
-    """Activation bytes per token of one MoE layer for the backend that will run (see the module docstring)."""
-    from eqmoe.nn.dispatch import resolve
+    """Activation bytes per token of one MoE layer: the routing's, plus the expert compute's from the
+    registered estimate of the backend that will run (:data:`eqmoe.nn.dispatch.BACKENDS`), or the padded
+    buffers of the expert-parallel path on a mesh with an ``expert`` axis."""
+    from eqmoe.nn.dispatch import BACKENDS, backend_name
 
     moe, d = config.moe, config.embed_dim
     router = moe.router
     k, experts, f = router.top_k, router.num_experts, _split(moe.expert_dim, p.size("tensor"))
     routing = c * 2 * d + 4 * 3 * experts  # the FFN input and its norm; logits, probabilities, choices
-    backend = resolve(moe).__name__
-    if router.capacity_factor is None and p.size("expert") > 1:
+    name = backend_name(moe)  # an unregistered backend raises here, naming the registered ones
+    if router.capacity_factor is None and name != "dense" and p.size("expert") > 1:
         # Expert parallel: send and receive buffers padded to P * T*k rows, local compute on all of them.
         rows = p.size("expert") * k
         return routing + c * rows * (4 * d + 3 * f)
-    if backend == "capacity":
-        group = tokens // router.num_groups
-        capacity = max(1, int(group * router.capacity_factor / experts))
-        # One-hot dispatch and combine tensors [tokens, E, C] and their products (four live), then the
-        # [E, G, C] expert buffers.
-        buffers = experts * capacity * router.num_groups * (2 * d + 3 * f) / tokens
-        return routing + c * 4 * experts * capacity + c * buffers
-    if backend == "sorted_blocks":
-        block = moe.block_size
-        rows = -(-(tokens * k + experts * (block - 1)) // block) * block / tokens
-        return routing + c * (rows * (2 * d + 2 * f) + k * d)
-    if backend == "dense":
-        return routing + c * experts * (2 * d + 3 * f)
-    return routing + c * k * (2 * d + 3 * f)  # ragged_dot: the T*k sorted slots, no padding
+    return routing + BACKENDS.get(name).estimate(moe, tokens, d, f, c)
 
 
 def _split(size: int, ways: int) -> int:

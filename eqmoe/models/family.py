@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eqmoe.config import ModelConfig
+from eqmoe.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -93,39 +94,30 @@ class Family:
                 raise ValueError(f"preset {preset!r} of family {self.name!r} says family={config.family!r}")
 
 
-_FAMILIES: dict[str, Family] = {}
+FAMILIES: Registry[Family] = Registry("model family")
 
 
 def register(family: Family) -> Family:
-    """Add ``family`` to the registry (its name and presets must be new)."""
-    if family.name in _FAMILIES:
-        raise ValueError(f"model family {family.name!r} is already registered")
-    taken = {preset for other in _FAMILIES.values() for preset in other.presets}
+    """Add ``family`` to :data:`FAMILIES` (its name and its preset names must be new)."""
+    taken = {preset for _, other in FAMILIES.items() for preset in other.presets}
     if clash := sorted(taken & set(family.presets)):
         raise ValueError(f"family {family.name!r}: preset {clash[0]!r} is already registered")
-    _FAMILIES[family.name] = family
-    return family
-
-
-def names() -> list[str]:
-    return sorted(_FAMILIES)
+    return FAMILIES.register(family.name, family)
 
 
 def get(name: str) -> Family:
     """The family registered as ``name``; a ``ValueError`` naming the registered ones otherwise."""
-    if name not in _FAMILIES:
-        raise ValueError(f"model family {name!r} is not registered; registered: {' | '.join(names())}")
-    return _FAMILIES[name]
+    return FAMILIES.get(name)
 
 
 def from_hf_model_type(model_type: Any, source: str) -> Family:
     """The family whose checkpoints say ``"model_type": model_type`` in ``config.json``."""
-    for family in _FAMILIES.values():
+    for _, family in FAMILIES.items():
         if family.hf_model_type is not None and family.hf_model_type == model_type:
             return family
-    known = sorted(f.hf_model_type for f in _FAMILIES.values() if f.hf_model_type)
+    known = sorted(f.hf_model_type for _, f in FAMILIES.items() if f.hf_model_type)
     raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {' | '.join(known)}")
 
 
 def all_presets() -> dict[str, ModelConfig]:
-    return {name: config for family in _FAMILIES.values() for name, config in family.presets.items()}
+    return {name: config for _, family in FAMILIES.items() for name, config in family.presets.items()}

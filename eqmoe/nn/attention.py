@@ -15,6 +15,7 @@ from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.flash import blockwise_attention
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope
+from eqmoe.registry import Registry
 
 _log = logging.getLogger(__name__)
 
@@ -117,8 +118,13 @@ def cudnn_attention(
     return out.transpose(0, 2, 1, 3).reshape(q.shape)
 
 
+# ``backend(q, k, v, mask, *, scale, block_size) -> out``, every one equal to ``dense_attention``.
+# ``AttentionConfig.backend`` accepts the registered names and ``"auto"`` (:func:`backend_name`).
 Backend = Callable[..., Queries]
-BACKENDS: dict[str, Backend] = {"blockwise": blockwise_attention, "dense": dense_attention, "cudnn": cudnn_attention}
+BACKENDS: Registry[Backend] = Registry("attention backend")
+BACKENDS.register("blockwise", blockwise_attention)
+BACKENDS.register("dense", dense_attention)
+BACKENDS.register("cudnn", cudnn_attention)
 
 
 def backend_name(config: AttentionConfig, mask: AttentionMask, dtype, platform: str | None = None) -> str:
@@ -140,7 +146,7 @@ def _resolve(config: AttentionConfig, mask: AttentionMask, dtype) -> Backend:
     if (config.backend, name) not in _logged:  # once per choice, at trace time
         _logged.add((config.backend, name))
         _log.info("attention backend %r runs as %r", config.backend, name)
-    return BACKENDS[name]
+    return BACKENDS.get(name)
 
 
 class Attention(Layer):

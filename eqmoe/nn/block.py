@@ -1,5 +1,8 @@
 """The decoder block: attention then a dense or routed FFN, with the configured norm placement."""
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,11 +16,34 @@ from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.router import RouterStats
+from eqmoe.registry import Registry
 
 
 def model_init(config: ModelConfig) -> Init:
     """The weight initialisation ``config`` asks for."""
     return Init(config.init, config.init_std, jnp.dtype(config.param_dtype))
+
+
+class Placement(NamedTuple):
+    """Where the FFN's norms sit (``NormConfig.ffn_placement``, registered in :data:`PLACEMENTS`).
+
+    **Arguments:**
+
+    - `pre_norm`: whether the FFN reads ``pre_norm(x)`` (else ``x`` itself).
+    - `post_norm`: whether the block has a second norm, ``post_norm``.
+    - `residual`: ``residual(x, h, post_norm) -> x'``, the residual stream ``x`` combined with the FFN
+      output ``h`` (``post_norm`` is ``None`` when the placement has none).
+    """
+
+    pre_norm: bool
+    post_norm: bool
+    residual: Callable[[Float[Array, "*b embed"], Float[Array, "*b embed"], RMSNorm | None], Float[Array, "*b embed"]]
+
+
+PLACEMENTS: Registry[Placement] = Registry("FFN norm placement")
+PLACEMENTS.register("pre", Placement(True, False, lambda x, h, post_norm: x + h))
+PLACEMENTS.register("post", Placement(False, True, lambda x, h, post_norm: post_norm(x + h)))
+PLACEMENTS.register("hybrid", Placement(True, True, lambda x, h, post_norm: x + post_norm(h)))
 
 
 class Block(Layer):
@@ -44,8 +70,9 @@ class Block(Layer):
         self.attention = Attention(
             dim, config.attention, eps=config.norm.eps, stats_dtype=config.norm.stats_dtype, init=init, key=k_attn
         )
-        self.pre_norm = RMSNorm(dim, **norm) if placement in ("pre", "hybrid") else None
-        self.post_norm = RMSNorm(dim, **norm) if placement in ("post", "hybrid") else None
+        norms = PLACEMENTS.get(placement)
+        self.pre_norm = RMSNorm(dim, **norm) if norms.pre_norm else None
+        self.post_norm = RMSNorm(dim, **norm) if norms.post_norm else None
         if kind == "moe":
             assert config.moe is not None
             self.ffn = MoE(dim, config.moe, init=init, key=k_ffn)
@@ -100,12 +127,7 @@ class Block(Layer):
             h, stats = _moe_padded(self.ffn, h, token_mask) if pad_to_groups else self.ffn(h, token_mask, token_domains)
         else:
             h, stats = self.ffn(h), None
-        if self.placement == "post":
-            assert self.post_norm is not None
-            return self.post_norm(x + h), stats
-        if self.post_norm is not None:
-            h = self.post_norm(h)
-        return x + h, stats
+        return PLACEMENTS.get(self.placement).residual(x, h, self.post_norm), stats
 
 
 def _moe_padded(

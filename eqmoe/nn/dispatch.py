@@ -3,12 +3,16 @@
 Every backend computes ``y_t = sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` (a dropped
 assignment has weight 0) and differs only in how the work is laid out. ``dense`` is the reference;
 the others must agree with it. Signature: ``backend(x, routing, experts, config) -> y``.
+
+Every backend is registered in :data:`BACKENDS` as a :class:`Backend`: the function, the planner's
+activation estimate (:mod:`eqmoe.analysis.plan` reads it, so a new backend is planned by its own formula,
+never another's) and an optional config check. ``MoEConfig.dispatch`` accepts the registered names and
+``"auto"``, a resolution rule (:func:`backend_name`).
 """
 
 from collections.abc import Callable
 from typing import NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -19,6 +23,7 @@ from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.grouped import grouped_swiglu
 from eqmoe.nn.mlp import silu
 from eqmoe.nn.router import Routing, expert_capacity
+from eqmoe.registry import Registry
 
 
 class Experts(Layer):
@@ -189,19 +194,85 @@ def capacity(
     return jnp.einsum("gsec,egcd->gsd", combine, outputs).reshape(x.shape)
 
 
+# --- the registry: MoEConfig.dispatch -> Backend -----------------------------------------------------------
+
 Dispatch = Callable[..., Float[Array, "tokens embed"]]
-BACKENDS: dict[str, Dispatch] = {"dense": dense, "sorted": sorted_blocks, "ragged_dot": ragged, "capacity": capacity}
+Estimate = Callable[[MoEConfig, int, int, int, int], float]
 
 
-def resolve(config: MoEConfig) -> Dispatch:
-    """The configured backend. ``"auto"`` is ``capacity`` for capacity routing, otherwise ``sorted`` on
-    CPU (where ``ragged_dot`` is emulated slowly) and ``ragged_dot`` on GPU and TPU."""
+class Backend(NamedTuple):
+    """A registered dispatch backend.
+
+    **Arguments:**
+
+    - `run`: ``run(x, routing, experts, config) -> y`` (see the module docstring).
+    - `estimate`: ``estimate(config, tokens, embed_dim, expert_dim, c) -> bytes``, the planner's model of
+      the activations one MoE layer's expert compute keeps per token for the backward pass (on top of the
+      routing's), given ``tokens`` tokens per device, the model width, the expert width (already divided
+      over the ``tensor`` axis) and ``c`` bytes per compute-dtype element.
+    - `check`: optional ``check(config)`` that ``MoEConfig.__post_init__`` runs when the backend is named
+      there, raising ``ValueError`` for a config the backend cannot run.
+    """
+
+    run: Dispatch
+    estimate: Estimate
+    check: Callable[[MoEConfig], None] | None = None
+
+
+def _dense_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
+    """Every expert's hidden activations and output for every token."""
+    return float(c * config.router.num_experts * (2 * d + 3 * f))
+
+
+def _sorted_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
+    """The expert-sorted rows, padded per expert to ``block_size``, and the ``k`` gathered outputs."""
+    block, k, experts = config.block_size, config.router.top_k, config.router.num_experts
+    rows = -(-(tokens * k + experts * (block - 1)) // block) * block / tokens
+    return float(c * (rows * (2 * d + 2 * f) + k * d))
+
+
+def _ragged_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
+    """The ``T*k`` sorted slots, no padding."""
+    return float(c * config.router.top_k * (2 * d + 3 * f))
+
+
+def _capacity_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
+    """One-hot dispatch and combine tensors ``[tokens, E, C]`` and their products (four live), then the
+    ``[E, G, C]`` expert buffers."""
+    router = config.router
+    experts, groups = router.num_experts, router.num_groups
+    slots = expert_capacity(tokens // groups, experts, router.capacity_factor)
+    buffers = experts * slots * groups * (2 * d + 3 * f) / tokens
+    return float(c * 4 * experts * slots + c * buffers)
+
+
+def _needs_capacity_factor(config: MoEConfig) -> None:
+    if config.router.capacity_factor is None:
+        allowed = " | ".join(name for name in (*BACKENDS.names(), "auto") if name != "capacity")
+        raise ValueError(
+            f"MoEConfig.dispatch={config.dispatch!r} is invalid; allowed: {allowed} when router.capacity_factor is None"
+        )
+
+
+BACKENDS: Registry[Backend] = Registry("dispatch backend")
+BACKENDS.register("dense", Backend(dense, _dense_bytes))
+BACKENDS.register("sorted", Backend(sorted_blocks, _sorted_bytes))
+BACKENDS.register("ragged_dot", Backend(ragged, _ragged_bytes))
+BACKENDS.register("capacity", Backend(capacity, _capacity_bytes, check=_needs_capacity_factor))
+
+
+def backend_name(config: MoEConfig) -> str:
+    """The registered backend ``config.dispatch`` names. ``"auto"`` is ``capacity`` for capacity routing,
+    otherwise ``sorted`` on CPU (where ``ragged_dot`` is emulated slowly) and ``ragged_dot`` on GPU and TPU."""
     name = config.dispatch
     if name == "auto":
         if config.router.capacity_factor is not None:
-            name = "capacity"
-        else:
-            name = "sorted" if jax.default_backend() == "cpu" else "ragged_dot"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown dispatch backend {name!r}; allowed: auto | {' | '.join(BACKENDS)}")
-    return BACKENDS[name]
+            return "capacity"
+        return "sorted" if jax.default_backend() == "cpu" else "ragged_dot"
+    BACKENDS.get(name)  # an unregistered name raises, naming the allowed ones
+    return name
+
+
+def resolve(config: MoEConfig) -> Dispatch:
+    """The function of the backend ``config.dispatch`` resolves to (see :func:`backend_name`)."""
+    return BACKENDS.get(backend_name(config)).run

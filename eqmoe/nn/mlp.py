@@ -1,6 +1,5 @@
 """The gated feed-forward network (SwiGLU)."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray

@@ -1,9 +1,17 @@
 """Routing strategies: which experts each token goes to, with what weights, and router statistics.
 
 Each strategy is a short function from router logits to ``(weights, experts)``; capacity (dropping)
-is applied on top of any of them. ``Router`` picks them by ``RouterConfig.strategy``.
+is applied on top of any of them. Every strategy is registered in :data:`STRATEGIES` under the name
+``RouterConfig.strategy`` uses; ``Router`` looks it up there, and the config accepts exactly the
+registered names. Adding one is a function and a registration line::
+
+    def my_route(logits, config: RouterConfig, bias):  # -> (weights [tokens, k], experts [tokens, k])
+        ...
+
+    STRATEGIES.register("my_route", Strategy(my_route))
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import equinox as eqx
@@ -14,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from eqmoe.config import RouterConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn._params import Layer, Role, param
+from eqmoe.registry import Registry
 
 
 class Routing(NamedTuple):
@@ -84,6 +93,43 @@ def sigmoid_top_k(
     return weights, experts
 
 
+# --- the registry: RouterConfig.strategy -> Strategy ------------------------------------------------------
+
+Route = Callable[
+    [Float[Array, "tokens experts"], RouterConfig, Float[Array, " experts"] | None],
+    tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]],
+]
+
+
+class Strategy(NamedTuple):
+    """A registered routing strategy.
+
+    **Arguments:**
+
+    - `route`: ``route(logits, config, bias) -> (weights, experts)``: float32 router logits
+      ``[tokens, experts]``, the :class:`RouterConfig` and the aux-loss-free selection bias (``None``
+      without one; it may change which experts are chosen, never their weights) to the ``top_k`` combine
+      weights and expert ids per token, best first.
+    - `check`: optional ``check(config)`` run by ``RouterConfig.__post_init__``, raising ``ValueError``
+      for settings the strategy cannot honour.
+    """
+
+    route: Route
+    check: Callable[[RouterConfig], None] | None = None
+
+
+def _needs_top_k_2(config: RouterConfig) -> None:
+    if config.top_k != 2:
+        raise ValueError(f"RouterConfig.top_k={config.top_k!r} is invalid; allowed: 2 with strategy='top2_gating'")
+
+
+STRATEGIES: Registry[Strategy] = Registry("router strategy")
+STRATEGIES.register("softmax_top_k", Strategy(lambda x, c, bias: softmax_top_k(x, c.top_k, c.renormalize, bias)))
+STRATEGIES.register("top_k_softmax", Strategy(lambda x, c, bias: top_k_softmax(x, c.top_k, bias)))
+STRATEGIES.register("top2_gating", Strategy(lambda x, c, bias: top2_gating(x, bias), check=_needs_top_k_2))
+STRATEGIES.register("sigmoid_top_k", Strategy(lambda x, c, bias: sigmoid_top_k(x, c.top_k, c.renormalize, bias)))
+
+
 # --- capacity ------------------------------------------------------------------------------------------
 
 
@@ -135,15 +181,7 @@ class Router(Layer):
     def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
         config = self.config
         logits = (x @ self.weight).astype(jnp.float32)
-        bias = self.bias
-        if config.strategy == "softmax_top_k":
-            weights, experts = softmax_top_k(logits, config.top_k, config.renormalize, bias)
-        elif config.strategy == "top_k_softmax":
-            weights, experts = top_k_softmax(logits, config.top_k, bias)
-        elif config.strategy == "sigmoid_top_k":
-            weights, experts = sigmoid_top_k(logits, config.top_k, config.renormalize, bias)
-        else:
-            weights, experts = top2_gating(logits, bias)
+        weights, experts = STRATEGIES.get(config.strategy).route(logits, config, self.bias)
         if config.routed_scaling_factor != 1.0:
             weights = weights * config.routed_scaling_factor
         if config.capacity_factor is None:
