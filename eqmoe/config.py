@@ -30,6 +30,31 @@ def _one_of(owner: str, name: str, value: object, allowed: tuple) -> None:
     _check(value in allowed, owner, name, value, " | ".join(map(str, allowed)))
 
 
+# The kind of a config field, declared where the field is defined (see ModelConfig). A field without
+# a kind is architecture: it changes the parameters or the function they compute, so the checkpoint.
+EXECUTION = "execution"  # how the same function is computed: every value gives the same numbers
+OBJECTIVE = "objective"  # what training minimises: not part of the model's function or parameters
+
+
+def execution(default: object) -> dataclasses.Field:
+    """A config field with this default that only says how the model is executed."""
+    return field(default=default, metadata={"kind": EXECUTION})
+
+
+def objective(*, default_factory) -> dataclasses.Field:
+    """A config field (with this default factory) that is part of the training objective."""
+    return field(default_factory=default_factory, metadata={"kind": OBJECTIVE})
+
+
+def field_kind(owner: object, name: str) -> str:
+    """``"architecture"``, ``"execution"`` or ``"objective"``: the declared kind of field ``name`` of
+    the config dataclass (or instance) ``owner``."""
+    for item in dataclasses.fields(owner):
+        if item.name == name:
+            return item.metadata.get("kind", "architecture")
+    raise ValueError(f"{getattr(owner, '__name__', type(owner).__name__)} has no field {name!r}")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention with rotary positions and optional per-head QK-norm.
@@ -38,7 +63,8 @@ class AttentionConfig:
     ``"interleaved"`` rotates pairs ``(2i, 2i+1)`` (AXLearn, GPT-J).
     ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys ``"before_rope"`` (HF Qwen3, MaxText Envy)
     or ``"after_rope"`` (AXLearn Envy, where the query scale ``head_dim^-0.5`` follows the norm).
-    ``backend`` computes the scores (every backend gives the same numbers): ``"blockwise"`` is flash-style
+    ``backend`` computes the scores (every backend gives the same numbers), a name registered in
+    :data:`eqmoe.nn.attention.BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
     reference that materialises every score; ``"cudnn"`` is cuDNN's fused kernel (GPU, half precision,
     plain causal masks); ``"auto"`` picks ``cudnn`` where it applies and ``blockwise`` elsewhere.
@@ -50,8 +76,8 @@ class AttentionConfig:
     rope_theta: float = 1e6
     rope_layout: Literal["half_split", "interleaved"] = "half_split"
     qk_norm: Literal["none", "before_rope", "after_rope"] = "before_rope"
-    backend: Literal["auto", "blockwise", "dense", "cudnn"] = "auto"
-    block_size: int = 256
+    backend: str = execution("auto")
+    block_size: int = execution(256)
 
     def __post_init__(self):
         _positive(
@@ -78,37 +104,38 @@ class AttentionConfig:
         )
         _one_of("AttentionConfig", "rope_layout", self.rope_layout, ("half_split", "interleaved"))
         _one_of("AttentionConfig", "qk_norm", self.qk_norm, ("none", "before_rope", "after_rope"))
-        _one_of("AttentionConfig", "backend", self.backend, ("auto", "blockwise", "dense", "cudnn"))
+        from eqmoe.nn.attention import BACKENDS  # here, not at the top: eqmoe.nn imports this module
+
+        BACKENDS.check("AttentionConfig", "backend", self.backend, extra=("auto",))
 
 
 @dataclass(frozen=True)
 class NormConfig:
     """RMSNorm settings and where the FFN's norm sits.
 
-    ``ffn_placement``: ``"pre"`` is ``x + ffn(norm(x))``; ``"post"`` is ``norm(x + ffn(x))``;
+    ``ffn_placement``, a name registered in :data:`eqmoe.nn.block.PLACEMENTS`: ``"pre"`` is
+    ``x + ffn(norm(x))``; ``"post"`` is ``norm(x + ffn(x))``;
     ``"hybrid"`` is ``x + postnorm(ffn(prenorm(x)))`` (AXLearn's names).
     ``stats_dtype``: the mean square is taken in ``"float32"`` (HF) or in the ``"input"`` dtype (AXLearn).
     """
 
     eps: float = 1e-6
-    ffn_placement: Literal["pre", "post", "hybrid"] = "pre"
+    ffn_placement: str = "pre"
     stats_dtype: Literal["float32", "input"] = "float32"
 
     def __post_init__(self):
         _positive("NormConfig", eps=self.eps)
-        _one_of("NormConfig", "ffn_placement", self.ffn_placement, ("pre", "post", "hybrid"))
+        from eqmoe.nn.block import PLACEMENTS  # here, not at the top: eqmoe.nn imports this module
+
+        PLACEMENTS.check("NormConfig", "ffn_placement", self.ffn_placement)
         _one_of("NormConfig", "stats_dtype", self.stats_dtype, ("float32", "input"))
-
-
-RouterStrategy = Literal["softmax_top_k", "top_k_softmax", "top2_gating", "sigmoid_top_k"]
-_STRATEGIES = ("softmax_top_k", "top_k_softmax", "top2_gating", "sigmoid_top_k")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Which experts a token goes to and with what weight.
 
-    ``strategy``:
+    ``strategy``, a name registered in :data:`eqmoe.nn.router.STRATEGIES` (where a new one is added):
 
     - ``"softmax_top_k"``: softmax over all experts, the ``top_k`` largest; divided by their sum when
       ``renormalize`` (HF Qwen3 ``norm_topk_prob``). ``top_k=1, renormalize=False`` is Switch routing.
@@ -131,7 +158,7 @@ class RouterConfig:
 
     num_experts: int
     top_k: int
-    strategy: RouterStrategy = "softmax_top_k"
+    strategy: str = "softmax_top_k"
     renormalize: bool = True
     capacity_factor: float | None = None
     num_groups: int = 1
@@ -145,9 +172,12 @@ class RouterConfig:
         _check(
             self.top_k <= self.num_experts, "RouterConfig", "top_k", self.top_k, f"1..num_experts={self.num_experts}"
         )
-        _one_of("RouterConfig", "strategy", self.strategy, _STRATEGIES)
-        if self.strategy == "top2_gating":
-            _check(self.top_k == 2, "RouterConfig", "top_k", self.top_k, "2 with strategy='top2_gating'")
+        from eqmoe.nn.router import STRATEGIES  # here, not at the top: eqmoe.nn imports this module
+
+        STRATEGIES.check("RouterConfig", "strategy", self.strategy)
+        strategy_check = STRATEGIES.get(self.strategy).check
+        if strategy_check is not None:
+            strategy_check(self)
         if self.capacity_factor is not None:
             _positive("RouterConfig", capacity_factor=self.capacity_factor)
 
@@ -156,7 +186,8 @@ class RouterConfig:
 class LossConfig:
     """Which losses enter the training objective, and with what weights (all are reported regardless).
 
-    ``load_balance`` picks the load-balancing form that is trained:
+    ``load_balance`` picks the load-balancing form that is trained, a name registered in
+    :data:`eqmoe.losses.LOAD_BALANCE` (every registered form is reported):
 
     - ``"hf_pooled"``: HF ``E * sum_e f_e P_e`` with top-k fractions pooled over all MoE layers and tokens;
     - ``"axlearn_top1"``: ``E^2 * mean_{groups, e}(f_e P_e)`` with ``f_e`` the top-1 fraction, per layer;
@@ -166,13 +197,15 @@ class LossConfig:
     multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens.
     """
 
-    load_balance: Literal["hf_pooled", "axlearn_top1", "maxtext_sequence"] = "hf_pooled"
+    load_balance: str = "hf_pooled"
     load_balance_weight: float = 0.001
     router_z_loss_weight: float = 0.0
     output_z_loss_weight: float = 0.0
 
     def __post_init__(self):
-        _one_of("LossConfig", "load_balance", self.load_balance, ("hf_pooled", "axlearn_top1", "maxtext_sequence"))
+        from eqmoe.losses import LOAD_BALANCE  # here, not at the top: eqmoe.losses imports this module
+
+        LOAD_BALANCE.check("LossConfig", "load_balance", self.load_balance)
         for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight"):
             _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
 
@@ -181,7 +214,8 @@ class LossConfig:
 class MoEConfig:
     """A routed-expert FFN: the router, each expert's SwiGLU width and the dispatch backend.
 
-    ``dispatch``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
+    ``dispatch``, a backend registered in :data:`eqmoe.nn.dispatch.BACKENDS` (with its planner estimate)
+    or ``"auto"``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
     ``"ragged_dot"`` sorts them without padding and calls ``jax.lax.ragged_dot`` (dropless, the GPU/TPU
     path); ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity
@@ -192,20 +226,17 @@ class MoEConfig:
 
     router: RouterConfig
     expert_dim: int
-    dispatch: Literal["dense", "sorted", "ragged_dot", "capacity", "auto"] = "auto"
-    block_size: int = 64
+    dispatch: str = execution("auto")
+    block_size: int = execution(64)
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
-        _one_of("MoEConfig", "dispatch", self.dispatch, ("dense", "sorted", "ragged_dot", "capacity", "auto"))
-        if self.dispatch == "capacity":
-            _check(
-                self.router.capacity_factor is not None,
-                "MoEConfig",
-                "dispatch",
-                self.dispatch,
-                "dense | sorted | ragged_dot | auto when router.capacity_factor is None",
-            )
+        from eqmoe.nn.dispatch import BACKENDS  # here, not at the top: eqmoe.nn imports this module
+
+        BACKENDS.check("MoEConfig", "dispatch", self.dispatch, extra=("auto",))
+        backend_check = None if self.dispatch == "auto" else BACKENDS.get(self.dispatch).check
+        if backend_check is not None:
+            backend_check(self)
 
 
 @dataclass(frozen=True)
@@ -244,6 +275,20 @@ class ModelConfig:
     ``embed_dim^-0.5`` (``"rsqrt_embed"``, MaxText).
     ``family``: the :mod:`eqmoe.models` family whose checkpoint formats read and write this config
     (``"qwen3_moe"``, whose Hugging Face format also holds the generic decoder's defaults, or ``"envy"``).
+
+    Every field here and in the nested configs is one of three kinds, declared where it is defined
+    (:func:`field_kind`):
+
+    - **architecture** (no declaration): the parameters and the function they compute, so what a
+      checkpoint holds: widths, layers, routing, norms, initialisation, ``param_dtype``, ``family``.
+      A ``--resume`` or :meth:`Transformer.with_config` needs these equal
+      (:func:`architecture_differences`).
+    - **execution** (:func:`execution`): how that function is computed, the same numbers up to float
+      rounding: ``dtype``, ``scan_layers``, ``remat``, ``moe.dispatch``, ``moe.block_size``,
+      ``attention.backend``, ``attention.block_size``.
+    - **objective** (:func:`objective`): what training minimises: ``loss`` (every field of it).
+
+    A resumed run may change the execution and objective fields; it continues with the new ones.
     """
 
     vocab_size: int
@@ -253,15 +298,20 @@ class ModelConfig:
     mlp_dim: int | None = None
     moe: MoEConfig | None = None
     norm: NormConfig = field(default_factory=NormConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = objective(default_factory=LossConfig)
     tie_embeddings: bool = False
     tied_logit_scale: Literal["none", "rsqrt_embed"] = "none"
     init: Literal["normal", "fan_in"] = "normal"
     init_std: float = 0.02
-    dtype: DType = "float32"
+    dtype: DType = execution("float32")
+    # param_dtype is architecture: it is the dtype of the arrays a checkpoint stores (parameters and the
+    # optimizer's moments) and of a Hugging Face export. Changing it is a cast of the checkpoint, not
+    # another way to run it: restoring float32 master weights as bfloat16 loses the small updates the
+    # rest of the run would add. The compute dtype (``dtype``) is execution; sft and pretrain keep
+    # param_dtype float32 whatever --dtype says, so their resumes may change --dtype.
     param_dtype: DType = "float32"
-    scan_layers: bool = True
-    remat: Literal["none", "block"] = "none"
+    scan_layers: bool = execution(True)
+    remat: Literal["none", "block"] = execution("none")
     family: str = "qwen3_moe"
 
     def __post_init__(self):
@@ -324,6 +374,29 @@ def segments_from_kinds(kinds: tuple[BlockKind, ...] | list[BlockKind]) -> tuple
     return tuple(segments)
 
 
+def architecture_differences(a: object, b: object, prefix: str = "") -> list[tuple[str, object, object]]:
+    """``(dotted field path, value in a, value in b)`` for every architecture field in which the configs
+    ``a`` and ``b`` differ, walking nested configs; execution and objective fields are skipped.
+
+    ``architecture_differences(config, config.replace(remat="block"))`` is ``[]``; with
+    ``moe.router.num_experts`` 8 in ``a`` and 16 in ``b`` it is ``[("moe.router.num_experts", 8, 16)]``.
+    """
+    if not (dataclasses.is_dataclass(a) and type(a) is type(b)):
+        return [] if a == b else [(prefix or "config", a, b)]
+    differences = []
+    for item in dataclasses.fields(a):
+        if item.metadata.get("kind", "architecture") != "architecture":
+            continue
+        path = f"{prefix}.{item.name}" if prefix else item.name
+        differences += architecture_differences(getattr(a, item.name), getattr(b, item.name), path)
+    return differences
+
+
+def format_differences(differences: list[tuple[str, object, object]], a: str, b: str) -> str:
+    """``"moe.router.num_experts 8 (a) vs 16 (b)"``, joined by ``"; "``."""
+    return "; ".join(f"{path} {x!r} ({a}) vs {y!r} ({b})" for path, x, y in differences)
+
+
 def config_to_dict(config: ModelConfig) -> dict:
     """A JSON-serialisable dictionary of ``config`` (for checkpoint metadata and results files)."""
     return dataclasses.asdict(config)
@@ -362,6 +435,7 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
     from beartype.door import is_bearable
 
     values = config_to_dict(config)
+    at_fault = {}  # the validation message an override's own value would get -> the override
     for path, value in overrides.items():
         owner, parent, names = config, values, path.split(".")
         for depth, name in enumerate(names):
@@ -381,10 +455,13 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
         if not is_bearable(value, expected):
             raise ValueError(f"override {path}={value!r}: not a valid {expected}")
         parent[names[-1]] = value
+        at_fault[f"{type(owner).__name__}.{names[-1]}={value!r} is invalid"] = f"{path}={value!r}"
     try:
         return config_from_dict(values)
     except ValueError as error:
-        raise ValueError(f"overrides {overrides!r}: {error}") from None
+        named = [override for message, override in at_fault.items() if message in str(error)]
+        where = f"override {named[0]}" if len(named) == 1 else f"overrides {overrides!r}"
+        raise ValueError(f"{where}: {error}") from None
 
 
 def parse_override(text: str) -> tuple[str, object]:

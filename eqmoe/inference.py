@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from eqmoe.config import ModelConfig
 from eqmoe.model import KVCache, ModelOutput, Transformer
 from eqmoe.nn.attention import LayerCache
 
@@ -62,13 +61,8 @@ def dropless(model: Transformer) -> Transformer:
         return model
     router = dataclasses.replace(config.moe.router, capacity_factor=None, num_groups=1)
     dispatch = "auto" if config.moe.dispatch == "capacity" else config.moe.dispatch
-    return _with_config(model, config.replace(moe=dataclasses.replace(config.moe, router=router, dispatch=dispatch)))
-
-
-def _with_config(model: Transformer, config: ModelConfig) -> Transformer:
-    """``model``'s arrays under ``config`` (which must give the same parameter shapes)."""
-    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
-    return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(model))
+    new = config.replace(moe=dataclasses.replace(config.moe, router=router, dispatch=dispatch))
+    return model.with_config(new, allow=("moe.router.capacity_factor", "moe.router.num_groups"))
 
 
 def sample(

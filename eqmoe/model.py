@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
-from eqmoe.config import ModelConfig
+from eqmoe.config import ModelConfig, architecture_differences, format_differences
 from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.attention import LayerCache, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.block import model_init
@@ -158,9 +158,16 @@ class Transformer(Layer):
                 logits = logits * self.config.embed_dim**-0.5
         return logits.reshape(batch, seq, -1)
 
-    def with_config(self, config: ModelConfig) -> "Transformer":
-        """These parameters under ``config``, which must describe the same parameter shapes (e.g. a
-        different ``remat``, ``dtype`` or dispatch backend). Parameters are not cast."""
+    def with_config(self, config: ModelConfig, *, allow: tuple[str, ...] = ()) -> "Transformer":
+        """These parameters under ``config``, which must have this model's architecture
+        (:func:`eqmoe.config.architecture_differences`): it may change the execution and objective fields
+        (``remat``, ``dtype``, the dispatch backend, loss weights). ``allow`` names architecture fields
+        that may differ too, for callers that change them on purpose (``dropless`` drops the capacity;
+        a loader that has cast the parameters sets ``param_dtype``); the parameter shapes must still
+        match. Parameters are not cast. A ``ValueError`` names every other differing field."""
+        differences = [d for d in architecture_differences(self.config, config) if d[0] not in allow]
+        if differences:
+            raise ValueError(f"with_config: another architecture: {format_differences(differences, 'model', 'new')}")
         abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
         if [x.shape for x in jax.tree.leaves(self)] != [x.shape for x in jax.tree.leaves(abstract)]:
             raise ValueError("with_config: the new config describes different parameter shapes")

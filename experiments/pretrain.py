@@ -180,9 +180,7 @@ def run(args: Args) -> dict:
     )
 
     def evaluate_model(model):
-        record = evaluate(model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size)
-        record.pop("layers", None)
-        return record
+        return evaluate(model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size)
 
     model = Transformer(config, key=jax.random.key(options.seed))
     result = loop.train(
@@ -195,10 +193,7 @@ def run(args: Args) -> dict:
         metadata={},
         parallelism=parallelism,
     )
-    with parallel.activate(parallelism):
-        final = evaluate(
-            result.state.model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size
-        )
+    final = dict(result.final_eval)  # the per-layer statistics ("layers") are not in metrics.jsonl
     if jax.process_index() == 0:
         plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     layers = final.pop("layers", None)

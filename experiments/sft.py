@@ -56,6 +56,22 @@ class ModelOptions:
     """Compute dtype (parameters and optimizer state stay float32)."""
     remat: Literal["none", "block"] = "none"
     """Recompute each layer unit's activations in the backward pass to save memory."""
+    dispatch: str | None = None
+    """MoE dispatch backend: auto or one registered in eqmoe.nn.dispatch.BACKENDS (dense, sorted, ragged_dot,
+    capacity); default: the model's. Like --dtype and --remat it may change on --resume."""
+
+
+def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
+    """``config`` with the execution options (``--dtype``, ``--remat``, ``--dispatch``) and float32 parameters."""
+    config = config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
+    if options.dispatch is None:
+        return config
+    if config.moe is None:
+        raise UsageError("--dispatch: the model has no MoE layers")
+    try:
+        return config.replace(moe=dataclasses.replace(config.moe, dispatch=options.dispatch))
+    except ValueError as error:
+        raise UsageError(f"--dispatch: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -106,10 +122,10 @@ def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tupl
             model = hf.load(options.init_from_hf)
         else:
             model, _ = load_model(options.init_from_checkpoint, dtype="float32")
-        config = model.config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
+        config = execution_config(model.config, options)
         model = model.with_config(config)
     else:
-        config = presets.get(options.preset).replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
+        config = execution_config(presets.get(options.preset), options)
         model = Transformer(config, key=jax.random.key(seed))
     if vocab_size > config.vocab_size:
         raise UsageError(f"the tokenizer has {vocab_size} ids but the model's vocabulary is {config.vocab_size}")

@@ -13,7 +13,7 @@ import pytest
 
 from eqmoe import presets
 from eqmoe.config import segments_from_kinds
-from eqmoe.inference import _with_config, dropless, generate, init_cache, sample
+from eqmoe.inference import dropless, generate, init_cache, sample
 from eqmoe.model import Transformer
 
 QWEN = presets.get("qwen3-moe-tiny").replace(
@@ -35,7 +35,7 @@ PROMPT_SHAPE = CASES["qwen3-moe-tiny-small"][1]
 def _model(config) -> Transformer:
     """A random model; ``unsafe_rbg`` keys make its initialisation program quick to compile."""
     if config is ENVY_NO_DROPS:  # the same parameters as envy-test
-        return _with_config(_model(ENVY), config)
+        return _model(ENVY).with_config(config, allow=("moe.router.capacity_factor",))
     return eqx.filter_jit(Transformer)(config, key=jax.random.key(0, impl="unsafe_rbg"))
 
 
@@ -98,7 +98,7 @@ def test_prefill_equals_the_uncached_forward_with_capacity_drops_and_an_unrolled
     """envy-test as configured (capacity 2.0 in 2 groups) drops assignments; a cached prefill routes the
     same way. The cached model here is unrolled (scan_layers=False), the reference scanned."""
     scanned = _model(ENVY)
-    unrolled = _with_config(scanned, ENVY.replace(scan_layers=False))
+    unrolled = scanned.with_config(ENVY.replace(scan_layers=False))
     prompt = _prompt(ENVY, 2, 8, seed=4)
     full = eqx.filter_jit(lambda m, t: m(t))(scanned, prompt)
     assert float(full.aux.dropped.sum()) > 0

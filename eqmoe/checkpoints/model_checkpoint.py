@@ -68,5 +68,5 @@ def load_model(
         model, _ = checkpointer.restore(step, abstract, field="model" if in_train_state else None)
     if dtype is not None:
         name = jnp.dtype(dtype).name
-        model = model.cast(name).with_config(config.replace(param_dtype=name, dtype=name))
+        model = model.cast(name).with_config(config.replace(param_dtype=name, dtype=name), allow=("param_dtype",))
     return model, metadata

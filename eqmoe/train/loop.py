@@ -19,7 +19,7 @@ import numpy as np
 
 from eqmoe import parallel
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import config_from_dict, config_to_dict
+from eqmoe.config import architecture_differences, config_from_dict, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress
@@ -59,7 +59,7 @@ class TrainResult(NamedTuple):
     state: TrainState
     metrics: MetricsLog
     last_terms: dict[str, float]  # the last logged training terms
-    final_eval: dict[str, float]
+    final_eval: dict[str, object]  # the last evaluation: numbers, and whatever else evaluate returns
     tokens_per_second: float | None  # median over the logged windows (the first, compiling step excluded)
     compile_seconds: float | None  # the first step of this process, compilation included
 
@@ -82,16 +82,24 @@ def train(
     - ``dataset``, ``batch_size``: batch ``n`` is ``dataset.batch_at(n, batch_size, options.seed)``; each
       process reads its own slice of it.
     - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
-      at the end (called with ``parallelism`` active).
+      at the end (called with ``parallelism`` active); entries that are not numbers (per-layer lists)
+      are left out of ``metrics.jsonl`` but kept in the returned ``final_eval``.
     - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
     - ``parallelism``: a device mesh (:mod:`eqmoe.parallel`); the model, optimizer state and batches are
       sharded by its rules and checkpoints restore onto it whatever mesh saved them.
 
     Raises ``FloatingPointError`` naming the step and the non-finite terms (the last checkpoint is kept),
-    and ``ValueError`` when resuming a run trained with a different model config.
+    and ``ValueError`` naming the differing fields when resuming a run of a different architecture
+    (:func:`eqmoe.config.architecture_differences`); other config changes (remat, dispatch, dtype, loss
+    weights) apply from the resumed step on.
     """
     with parallel.activate(parallelism):
         return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism)
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """The numbers of an evaluation record, the part ``metrics.jsonl`` holds."""
+    return {name: value for name, value in record.items() if isinstance(value, int | float)}
 
 
 def _int(value) -> int:
@@ -108,12 +116,22 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     if options.resume and latest is None:
         print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
     if latest is not None:
+        # Only the architecture must match: the execution and objective fields of the new config apply
+        # from here on (the restore target is built from the new model, so the restored model carries
+        # its config, and the next checkpoints store it).
+        stored = config_from_dict(checkpointer.metadata(latest).get("config", {}))
+        differences = architecture_differences(stored, config)
+        if differences:
+            checkpointer.close()
+            raise ValueError(
+                f"--resume: the checkpoint in {out_dir} has a different architecture: "
+                + format_differences(differences, "checkpoint", "now")
+            )
         target = abstract_state(lambda: model, optimizer, key=key)
         if parallelism is not None:
             target = parallel.abstract_sharded(target, parallelism)
-        state, stored = checkpointer.restore(latest, target)
-        if config_from_dict(stored.get("config", {})) != config:
-            raise ValueError(f"--resume: the checkpoint in {out_dir} was trained with a different model config")
+        state, _ = checkpointer.restore(latest, target)
+        assert state.model.config == config, "the restored model must carry the new config"
         print(f"resumed from step {latest}", file=sys.stderr)
     else:
         state = init_state(model, optimizer, key=key, parallelism=parallelism)
@@ -163,14 +181,15 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
             metrics.write({"step": done, **last_terms, "tokens_per_second": tokens_per_second})
             progress.update(done, loss, tokens_per_second, last_terms["learning_rate"])
         if done % options.eval_every == 0 and done != options.steps:
-            metrics.write({"step": done, **evaluate(state.model)})
+            metrics.write({"step": done, **_scalars(evaluate(state.model))})
         if done % options.checkpoint_every == 0 or done == options.steps:
             save(state)
     progress.close()
     checkpointer.close()
     final_eval = evaluate(state.model)
-    already = any(r.get("step") == options.steps and final_eval.keys() <= r.keys() for r in metrics.records())
+    scalars = _scalars(final_eval)
+    already = any(r.get("step") == options.steps and scalars.keys() <= r.keys() for r in metrics.records())
     if not already:  # a resumed run that had already finished has written its final evaluation
-        metrics.write({"step": options.steps, **final_eval})
+        metrics.write({"step": options.steps, **scalars})
     median = float(np.median(throughput)) if throughput else None
     return TrainResult(state, metrics, last_terms, final_eval, median, compile_seconds)
