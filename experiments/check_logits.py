@@ -27,6 +27,7 @@ import tyro
 from eqmoe.analysis.logits import compare_logits
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
+from eqmoe.data import HFTokenizer
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -64,13 +65,8 @@ class Args:
 def _prompt_ids(args: Args, vocab_size: int) -> list[np.ndarray]:
     path = args.tokenizer or (args.hf / "tokenizer.json")
     if path.is_file():
-        from tokenizers import Tokenizer
-
-        try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as error:  # the tokenizers package raises bare Exceptions
-            raise ValueError(f"{path}: not a valid tokenizer.json ({error})") from None
-        prompts = [np.asarray(tokenizer.encode(text).ids, np.int64) for text in args.prompts]
+        tokenizer = HFTokenizer.from_file(path, chat=False)
+        prompts = [np.asarray(tokenizer.encode(text), np.int64) for text in args.prompts]
         for text, ids in zip(args.prompts, prompts, strict=True):
             if len(ids) == 0 or ids.max() >= vocab_size:
                 raise ValueError(f"{path}: prompt {text!r} encodes to ids outside the model's vocabulary {vocab_size}")

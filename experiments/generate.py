@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import tyro
 
 from eqmoe import parallel
-from eqmoe.data import ByteTokenizer
+from eqmoe.data import ByteTokenizer, HFTokenizer
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
 from experiments._cli import MeshOptions, UsageError, guarded
@@ -74,28 +74,14 @@ class Args:
     """Logical-axis rule overrides (see eqmoe.parallel.DEFAULT_RULES)."""
 
 
-class Tokenizer:
-    """A Hugging Face tokenizer.json, special tokens included as written in the prompt."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer as HF
-
-        if not path.is_file():
-            raise UsageError(f"{path}: tokenizer not found (pass --tokenizer path/to/tokenizer.json)")
-        try:
-            self._tokenizer = HF.from_file(str(path))
-        except Exception as error:  # tokenizers raises a bare Exception for unreadable files
-            raise UsageError(f"{path}: not a tokenizers tokenizer.json ({error})") from None
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+def _tokenizer(path: Path) -> HFTokenizer:
+    """A Hugging Face tokenizer.json for plain text, special tokens included as written in the prompt."""
+    if not path.is_file():
+        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer path/to/tokenizer.json)")
+    return HFTokenizer.from_file(path, chat=False)
 
 
-def load_model(args: Args) -> tuple[Transformer, Path, Tokenizer | ByteTokenizer]:
+def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokenizer]:
     """The model to generate with, the folder its generation settings sit in, and its tokenizer."""
     if (args.hf is None) == (args.checkpoint is None):
         raise UsageError("give one of --hf DIR (a Hugging Face folder) or --checkpoint DIR (an eqmoe checkpoint)")
@@ -111,11 +97,11 @@ def load_model(args: Args) -> tuple[Transformer, Path, Tokenizer | ByteTokenizer
 
         model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype)
     if args.tokenizer is not None or (folder / "tokenizer.json").is_file():
-        return model, folder, Tokenizer(args.tokenizer or folder / "tokenizer.json")
+        return model, folder, _tokenizer(args.tokenizer or folder / "tokenizer.json")
     if recorded.get("tokenizer") is None and "tokenizer" in recorded:  # the run trained on bytes
         return model, folder, ByteTokenizer()
     if isinstance(recorded.get("tokenizer"), str):
-        return model, folder, Tokenizer(Path(recorded["tokenizer"]))
+        return model, folder, _tokenizer(Path(recorded["tokenizer"]))
     raise UsageError(f"{folder}: no tokenizer.json (pass --tokenizer path/to/tokenizer.json)")
 
 

@@ -86,14 +86,19 @@ class HFTokenizer:
     ``pad_id`` is ``<|pad|>`` when the vocabulary has it, otherwise ``<|endoftext|>`` (Qwen's choice).
     Text is encoded without the post-processor's special tokens; a special token spelled out inside the
     text is matched by the ``tokenizers`` library as that special token.
+
+    ``chat=False`` reads any ``tokenizer.json`` for plain text, as Hugging Face applies it (generation
+    from a prompt, logit checks): ``encode`` adds the post-processor's special tokens, ``decode`` skips
+    special tokens, and the ChatML ids are ``None`` where the vocabulary lacks them.
     """
 
-    def __init__(self, tokenizer, path: str = "<memory>"):
+    def __init__(self, tokenizer, path: str = "<memory>", *, chat: bool = True):
         self._tokenizer = tokenizer
         self.path = path
+        self.chat = chat
         ids = {name: tokenizer.token_to_id(name) for name in CHAT_SPECIALS}
         missing = [name for name, i in ids.items() if i is None]
-        if missing:
+        if missing and chat:
             raise ValueError(
                 f"{path}: tokenizer lacks the chat special token(s) {', '.join(missing)} "
                 f"(needed: {', '.join(CHAT_SPECIALS)}); add them as special tokens"
@@ -107,30 +112,30 @@ class HFTokenizer:
         self.pad_id: int = ids[ENDOFTEXT] if pad is None else pad
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "HFTokenizer":
-        """Load a ``tokenizer.json``; ``ValueError`` naming the file when it is missing, invalid or lacks
-        ``<|im_start|>``, ``<|im_end|>`` or ``<|endoftext|>``."""
-        return cls(_read_tokenizer_json(path), str(path))
+    def from_file(cls, path: str | Path, *, chat: bool = True) -> "HFTokenizer":
+        """Load a ``tokenizer.json``; ``ValueError`` naming the file when it is missing, invalid or (with
+        ``chat``) lacks ``<|im_start|>``, ``<|im_end|>`` or ``<|endoftext|>``."""
+        return cls(_read_tokenizer_json(path), str(path), chat=chat)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self._tokenizer.encode(text, add_special_tokens=not self.chat).ids)
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        return self._tokenizer.decode(_as_ints(ids), skip_special_tokens=False)
+        return self._tokenizer.decode(_as_ints(ids), skip_special_tokens=not self.chat)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(path: str | Path | None) -> ByteTokenizer | HFTokenizer:
-    """:class:`ByteTokenizer` when ``path`` is ``None``, else :meth:`HFTokenizer.from_file`; a folder is
-    read as ``folder/tokenizer.json``."""
+def load_tokenizer(path: str | Path | None, *, chat: bool = True) -> ByteTokenizer | HFTokenizer:
+    """:class:`ByteTokenizer` when ``path`` is ``None``, else :meth:`HFTokenizer.from_file` (with ``chat``);
+    a folder is read as ``folder/tokenizer.json``."""
     if path is None:
         return ByteTokenizer()
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    return HFTokenizer.from_file(path)
+    return HFTokenizer.from_file(path, chat=chat)
 
 
 def _read_tokenizer_json(path: str | Path):
