@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
-from eqmoe.config import ModelConfig, architecture_differences, format_differences
+from eqmoe.config import ModelConfig
+from eqmoe.config_io import architecture_differences, format_differences
 from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.attention import LayerCache, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.block import model_init
@@ -160,7 +161,7 @@ class Transformer(Layer):
 
     def with_config(self, config: ModelConfig, *, allow: tuple[str, ...] = ()) -> "Transformer":
         """These parameters under ``config``, which must have this model's architecture
-        (:func:`eqmoe.config.architecture_differences`): it may change the execution and objective fields
+        (:func:`eqmoe.config_io.architecture_differences`): it may change the execution and objective fields
         (``remat``, ``dtype``, the dispatch backend, loss weights). ``allow`` names architecture fields
         that may differ too, for callers that change them on purpose (``dropless`` drops the capacity;
         a loader that has cast the parameters sets ``param_dtype``); the parameter shapes must still

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from eqmoe.config import format_override
+from eqmoe.config_io import format_override
 from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
 from experiments import pretrain
 from experiments._cli import UsageError, guarded

@@ -69,7 +69,7 @@ def plan(args: Args) -> list[dict]:
 
     from eqmoe import parallel, presets
     from eqmoe.analysis import plan as planning
-    from eqmoe.config import apply_overrides
+    from eqmoe.config_io import apply_overrides
     from eqmoe.nn.dispatch import BACKENDS
 
     if args.dispatch != "auto" and args.dispatch not in BACKENDS:

@@ -28,7 +28,7 @@ import tyro
 
 from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis.routing import accumulate, summarize
-from eqmoe.config import apply_overrides, config_to_dict, parse_override
+from eqmoe.config_io import apply_overrides, config_to_dict, parse_override
 from eqmoe.data import PackedDataset, load_tokenizer, packing
 from eqmoe.data.corpus import load_documents, pack_documents, split_documents, synthetic_documents
 from eqmoe.train import loop

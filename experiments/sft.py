@@ -25,7 +25,8 @@ import tyro
 from eqmoe import Transformer, parallel, presets
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
-from eqmoe.config import ModelConfig, config_to_dict
+from eqmoe.config import ModelConfig
+from eqmoe.config_io import config_to_dict
 from eqmoe.data import (
     TRAIN_MIX,
     PackedDataset,

@@ -18,7 +18,7 @@ import pytest
 
 from eqmoe import Transformer, parallel, presets
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import apply_overrides
+from eqmoe.config_io import apply_overrides
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
 from eqmoe.train.state import abstract_state, init_state
 from eqmoe.train.step import Batch, batch_loss, make_train_step

@@ -13,7 +13,7 @@ from pathlib import Path
 import tyro
 
 from eqmoe import presets
-from eqmoe.config import apply_overrides
+from eqmoe.config_io import apply_overrides
 from experiments import ablate, pretrain
 from tests.conftest import kill_when
 

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import config_to_dict
+from eqmoe.config_io import config_to_dict
 from eqmoe.train.state import init_state
 from experiments import check_logits, convert, generate
 from tests.conftest import load_reference, save_tiny_hf

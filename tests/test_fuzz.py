@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from eqmoe import Transformer, presets
 from eqmoe.checkpoints import hf
-from eqmoe.config import ModelConfig, config_from_dict, config_to_dict
+from eqmoe.config import ModelConfig
+from eqmoe.config_io import config_from_dict, config_to_dict
 from eqmoe.data import load_jsonl, load_tokenizer
 
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} | {

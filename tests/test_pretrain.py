@@ -9,7 +9,7 @@ import pytest
 
 from eqmoe import Transformer, presets
 from eqmoe.analysis.routing import normalized_mutual_information, summarize
-from eqmoe.config import apply_overrides, format_override, parse_override
+from eqmoe.config_io import apply_overrides, format_override, parse_override
 from eqmoe.data import ByteTokenizer
 from eqmoe.data.corpus import (
     SYNTHETIC_DOMAINS,

@@ -12,7 +12,8 @@ import pytest
 
 from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis import plan
-from eqmoe.config import AttentionConfig, LossConfig, MoEConfig, NormConfig, RouterConfig, apply_overrides
+from eqmoe.config import AttentionConfig, LossConfig, MoEConfig, NormConfig, RouterConfig
+from eqmoe.config_io import apply_overrides
 from eqmoe.losses import LOAD_BALANCE, objective
 from eqmoe.nn import attention, block, dispatch
 from eqmoe.nn._init import Init

@@ -4,7 +4,7 @@ Two kinds of orbax checkpoint hold a model and both load with :func:`load_model`
 :func:`save_model` writes (the tree is the model itself; ``experiments.convert`` makes them from a
 Hugging Face folder) and the training checkpoints of ``experiments.sft`` (the tree is a train state whose
 ``model`` field is read alone, without the optimizer state). Either way the metadata's ``config`` entry is
-the :func:`eqmoe.config.config_to_dict` of the model's config.
+the :func:`eqmoe.config_io.config_to_dict` of the model's config.
 """
 
 import os
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import config_from_dict, config_to_dict
+from eqmoe.config_io import config_from_dict, config_to_dict
 from eqmoe.model import Transformer
 
 MODEL_KIND = "eqmoe-model"

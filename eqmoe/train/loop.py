@@ -19,7 +19,7 @@ import numpy as np
 
 from eqmoe import parallel
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config import architecture_differences, config_from_dict, config_to_dict, format_differences
+from eqmoe.config_io import architecture_differences, config_from_dict, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress
@@ -90,7 +90,7 @@ def train(
 
     Raises ``FloatingPointError`` naming the step and the non-finite terms (the last checkpoint is kept),
     and ``ValueError`` naming the differing fields when resuming a run of a different architecture
-    (:func:`eqmoe.config.architecture_differences`); other config changes (remat, dispatch, dtype, loss
+    (:func:`eqmoe.config_io.architecture_differences`); other config changes (remat, dispatch, dtype, loss
     weights) apply from the resumed step on.
     """
     with parallel.activate(parallelism):
