@@ -16,10 +16,9 @@ from eqmoe.config import (
     ModelConfig,
     MoEConfig,
     Segment,
-    apply_overrides,
-    architecture_differences,
     field_kind,
 )
+from eqmoe.config_io import apply_overrides, architecture_differences
 from eqmoe.inference import dropless
 from experiments import pretrain, sft
 from experiments._cli import UsageError
