@@ -29,12 +29,12 @@ import tyro
 from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis.routing import accumulate, summarize
 from eqmoe.config_io import apply_overrides, config_to_dict, parse_override
-from eqmoe.data import PackedDataset, load_tokenizer, packing
+from eqmoe.data import PackedDataset, load_tokenizer
 from eqmoe.data.corpus import load_documents, pack_documents, split_documents, synthetic_documents
 from eqmoe.train import loop
 from eqmoe.train.logging import new_figure, plot_metrics, save_figure, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
-from eqmoe.train.step import device_batch, routing_eval_step
+from eqmoe.train.step import held_out_batches, routing_eval_step
 from experiments._cli import MeshOptions, UsageError, guarded
 
 
@@ -105,13 +105,8 @@ def _documents(options: DataOptions, seed: int):
 def evaluate(model: Transformer, rows, labels, num_domains: int, batch_size: int) -> dict:
     """Token-weighted eval loss over every held-out row, and the routing statistics per MoE layer."""
     loss_sum, tokens, stats = 0.0, 0.0, None
-    count = len(rows.tokens)
-    for start in range(0, count, batch_size):
-        index = np.arange(start, start + batch_size) % count
-        real = (np.arange(batch_size) + start < count)[:, None]
-        chunk = [np.where(real, np.asarray(array)[index], 0) for array in rows]
-        domains = jax.nn.one_hot(np.where(real, labels[index], -1), num_domains, dtype=jnp.float32)
-        batch = device_batch(packing.Batch(*chunk), parallel.current(), process_local=False)
+    for batch, index, real in held_out_batches(rows, batch_size):
+        domains = jax.nn.one_hot(np.where(real[:, None], labels[index], -1), num_domains, dtype=jnp.float32)
         domains = parallel.replicated_batch(np.asarray(domains), parallel.current(), ("batch", "seq", None))
         terms, aux = parallel.to_host(routing_eval_step(model, batch, domains))
         loss_sum += float(terms["cross_entropy"]) * float(terms["target_tokens"])

@@ -41,7 +41,7 @@ from eqmoe.data import (
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
-from eqmoe.train.step import device_batch, eval_step
+from eqmoe.train.step import eval_step, held_out_batches
 from experiments._cli import MeshOptions, UsageError, guarded
 
 
@@ -155,11 +155,7 @@ def _conversations(options: DataOptions, seed: int):
 def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
     """Token-weighted eval loss and exact match over every held-out row (padded to whole batches)."""
     totals: dict[str, float] = {}
-    count = len(rows.tokens)
-    for start in range(0, count, batch_size):
-        index = np.arange(start, start + batch_size) % count
-        chunk = type(rows)(*(np.where((np.arange(batch_size) + start < count)[:, None], a[index], 0) for a in rows))
-        batch = device_batch(chunk, parallel.current(), process_local=False)
+    for batch, _, _ in held_out_batches(rows, batch_size):
         terms = {k: float(v) for k, v in parallel.to_host(eval_step(model, batch)).items()}
         weight = terms["target_tokens"]
         for name in ("loss", "cross_entropy"):

@@ -222,7 +222,6 @@ class RouterStats(NamedTuple):
     prob_sum: Float[Array, "*layers experts"]  # sum of router probabilities per expert
     num_tokens: Float[Array, "*layers"]
     dropped: Float[Array, "*layers"]  # assignments dropped by capacity
-    load_balance: Float[Array, "*layers"]  # HF form for this layer: E * sum_e f_e * P_e
     top1_balance: Float[Array, "*layers"]  # AXLearn: E^2 * mean_{groups, e}(top-1 fraction * P)
     sequence_balance: Float[Array, "*layers"]  # MaxText: E^2 * mean_{batch, e}(density * P)
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
@@ -267,7 +266,6 @@ def router_stats(
     prob_sum = jnp.einsum("te,t->e", routing.probs, valid)
     num_tokens = valid.sum()
     rows = jnp.maximum(num_tokens, 1.0)
-    load_balance = num_experts * jnp.sum((expert_counts / rows) * (prob_sum / rows))
 
     groups = _groups(batch * seq, num_groups)
     group_valid = valid.reshape(groups, -1)
@@ -293,7 +291,6 @@ def router_stats(
         prob_sum,
         num_tokens,
         dropped,
-        load_balance,
         top1_balance,
         sequence_balance,
         z_loss,

@@ -1,10 +1,11 @@
 """One optimizer step and one evaluation step, compiled with ``eqx.filter_jit``."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -43,6 +44,18 @@ def device_batch(
         positions=put(rows.positions, parallelism),
         target_mask=put(packing.target_mask(rows), parallelism),
     )
+
+
+def held_out_batches(rows: packing.Batch, batch_size: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
+    """Every held-out row once, in device batches of ``batch_size`` rows: ``(batch, index, real)`` where
+    ``index`` are the rows taken and ``real`` is false for the all-padding rows that fill the last batch
+    (padding has no targets, so token-weighted sums are exact). Replicated on the current mesh."""
+    count = len(rows.tokens)
+    for start in range(0, count, batch_size):
+        index = np.arange(start, start + batch_size) % count
+        real = np.arange(batch_size) + start < count
+        chunk = packing.Batch(*(np.where(real[:, None], np.asarray(array)[index], 0) for array in rows))
+        yield device_batch(chunk, parallel.current(), process_local=False), index, real
 
 
 def batch_loss(
