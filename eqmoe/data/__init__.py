@@ -6,7 +6,7 @@ NumPy only; the training code converts batches to JAX arrays. Nothing here knows
 from eqmoe.data.chat import ROLES, Conversation, check_messages, encode_chat, prompt_ids, render
 from eqmoe.data.jsonl import JsonlData, load_jsonl
 from eqmoe.data.loader import PackedDataset
-from eqmoe.data.packing import Batch, Packed, pack, pack_conversations, target_mask
+from eqmoe.data.packing import Packed, PackedRows, pack, pack_conversations, target_mask
 from eqmoe.data.tasks import (
     ALL_KINDS,
     KINDS,
@@ -25,7 +25,7 @@ __all__ = [
     "KINDS",
     "TRAIN_MIX",
     "ROLES",
-    "Batch",
+    "PackedRows",
     "ByteTokenizer",
     "Conversation",
     "Example",

@@ -13,15 +13,15 @@ uninterrupted run would, with no loader state to checkpoint.
 import numpy as np
 from jaxtyping import Int64
 
-from eqmoe.data.packing import Batch
+from eqmoe.data.packing import PackedRows
 
 _CACHED_EPOCHS = 4
 
 
 class PackedDataset:
-    """Packed rows (a :class:`~eqmoe.data.packing.Batch` of ``[num_rows, seq]``) and :meth:`batch_at`."""
+    """Packed rows (a :class:`~eqmoe.data.packing.PackedRows` of ``[num_rows, seq]``) and :meth:`batch_at`."""
 
-    def __init__(self, rows: Batch):
+    def __init__(self, rows: PackedRows):
         shapes = {name: np.shape(value) for name, value in rows._asdict().items()}
         if len(set(shapes.values())) != 1 or len(rows.tokens.shape) != 2 or rows.tokens.shape[0] == 0:
             raise ValueError(f"PackedDataset: rows must be equal non-empty [rows, seq] arrays, got shapes {shapes}")
@@ -60,7 +60,7 @@ class PackedDataset:
             indices[chosen] = self._order(seed, int(epoch))[offsets[chosen]]
         return indices
 
-    def batch_at(self, step: int, batch_size: int, seed: int = 0, shard: tuple[int, int] | None = None) -> Batch:
+    def batch_at(self, step: int, batch_size: int, seed: int = 0, shard: tuple[int, int] | None = None) -> PackedRows:
         """Batch ``step`` of the stream for ``seed``: ``[batch_size, seq]``, or with
         ``shard=(process_index, process_count)`` this process's ``[batch_size / process_count, seq]`` slice."""
         indices = self.indices_at(step, batch_size, seed)
@@ -74,4 +74,4 @@ class PackedDataset:
                 raise ValueError(f"batch_size={batch_size} is invalid; allowed: a multiple of process_count={count}")
             local = batch_size // count
             indices = indices[index * local : (index + 1) * local]
-        return Batch(*(np.asarray(array)[indices] for array in self.rows))
+        return PackedRows(*(np.asarray(array)[indices] for array in self.rows))

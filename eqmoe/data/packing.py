@@ -7,7 +7,7 @@ than ``seq_len`` is skipped (``overflow="skip"``, the default: a reply cut short
 not to stop) or cut to its first ``seq_len`` tokens (``overflow="truncate"``); either way it is counted
 in ``Packed.too_long``. Empty conversations are dropped.
 
-Every row has (see :class:`Batch`):
+Every row has (see :class:`PackedRows`):
 
 - ``tokens``: the ids, ``pad_id`` after the last conversation;
 - ``segment_ids``: ``1, 2, 3, ...`` for the row's conversations, ``0`` for padding (attention stays
@@ -35,7 +35,7 @@ from eqmoe.data.tokenizer import Tokenizer
 Overflow = Literal["skip", "truncate"]
 
 
-class Batch(NamedTuple):
+class PackedRows(NamedTuple):
     """Packed rows as NumPy arrays ``[batch, seq]`` (also the type of a whole packed data set)."""
 
     tokens: Int32[np.ndarray, "batch seq"]
@@ -47,7 +47,7 @@ class Batch(NamedTuple):
 class Packed(NamedTuple):
     """The packed rows, how many conversations they hold and how many were too long."""
 
-    rows: Batch
+    rows: PackedRows
     num_conversations: int
     too_long: int
     labels: Int32[np.ndarray, "batch seq"] | None = None  # each item's label on its tokens, -1 on padding
@@ -116,7 +116,7 @@ def pack(
             loss_mask[r, start:end] = mask
             item_labels[r, start:end] = label
             start = end
-    rows_out = Batch(tokens, segment_ids, positions, loss_mask)
+    rows_out = PackedRows(tokens, segment_ids, positions, loss_mask)
     return Packed(rows_out, sum(map(len, rows)), too_long, None if labels is None else item_labels)
 
 
@@ -133,7 +133,7 @@ def pack_conversations(
     return pack(encoded, seq_len, tokenizer.pad_id, overflow)
 
 
-def target_mask(batch: Batch) -> Bool[np.ndarray, "batch seq"]:
+def target_mask(batch: PackedRows) -> Bool[np.ndarray, "batch seq"]:
     """``loss_mask[t] and segment_ids[t] == segment_ids[t - 1]`` (false at ``t = 0``): whether
     ``tokens[t]``, predicted from position ``t - 1``, counts in the loss."""
     loss_mask, segment_ids = np.asarray(batch.loss_mask, bool), np.asarray(batch.segment_ids)

@@ -30,7 +30,7 @@ class Batch(eqx.Module):
 
 
 def device_batch(
-    rows: packing.Batch, parallelism: parallel.Parallelism | None = None, *, process_local: bool = True
+    rows: packing.PackedRows, parallelism: parallel.Parallelism | None = None, *, process_local: bool = True
 ) -> Batch:
     """Packed NumPy rows as a device :class:`Batch`, with the next-token target mask.
 
@@ -46,7 +46,7 @@ def device_batch(
     )
 
 
-def held_out_batches(rows: packing.Batch, batch_size: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
+def held_out_batches(rows: packing.PackedRows, batch_size: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
     """Every held-out row once, in device batches of ``batch_size`` rows: ``(batch, index, real)`` where
     ``index`` are the rows taken and ``real`` is false for the all-padding rows that fill the last batch
     (padding has no targets, so token-weighted sums are exact). Replicated on the current mesh."""
@@ -54,7 +54,7 @@ def held_out_batches(rows: packing.Batch, batch_size: int) -> Iterator[tuple[Bat
     for start in range(0, count, batch_size):
         index = np.arange(start, start + batch_size) % count
         real = np.arange(batch_size) + start < count
-        chunk = packing.Batch(*(np.where(real[:, None], np.asarray(array)[index], 0) for array in rows))
+        chunk = packing.PackedRows(*(np.where(real[:, None], np.asarray(array)[index], 0) for array in rows))
         yield device_batch(chunk, parallel.current(), process_local=False), index, real
 
 
