@@ -11,10 +11,10 @@ from eqmoe.data import (
     ALL_KINDS,
     KINDS,
     TRAIN_MIX,
-    Batch,
     ByteTokenizer,
     HFTokenizer,
     PackedDataset,
+    PackedRows,
     Tokenizer,
     distinct_kinds,
     encode_chat,
@@ -355,7 +355,7 @@ def test_pack_conversations_with_chat_data():
 def _dataset(num_rows: int = 10, seq: int = 6) -> PackedDataset:
     tokens = np.arange(num_rows * seq, dtype=np.int32).reshape(num_rows, seq)
     ones = np.ones_like(tokens)
-    return PackedDataset(Batch(tokens, ones, np.zeros_like(tokens), ones.astype(bool)))
+    return PackedDataset(PackedRows(tokens, ones, np.zeros_like(tokens), ones.astype(bool)))
 
 
 def test_loader_is_deterministic_and_seekable():
