@@ -82,8 +82,7 @@ def train(
     - ``dataset``, ``batch_size``: batch ``n`` is ``dataset.batch_at(n, batch_size, options.seed)``; each
       process reads its own slice of it.
     - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
-      at the end (called with ``parallelism`` active); entries that are not numbers (per-layer lists)
-      are left out of ``metrics.jsonl`` but kept in the returned ``final_eval``.
+      at the end (called with ``parallelism`` active); the last one is also returned as ``final_eval``.
     - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
     - ``parallelism``: a device mesh (:mod:`eqmoe.parallel`); the model, optimizer state and batches are
       sharded by its rules and checkpoints restore onto it whatever mesh saved them.
@@ -95,11 +94,6 @@ def train(
     """
     with parallel.activate(parallelism):
         return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism)
-
-
-def _scalars(record: dict) -> dict[str, float]:
-    """The numbers of an evaluation record, the part ``metrics.jsonl`` holds."""
-    return {name: value for name, value in record.items() if isinstance(value, int | float)}
 
 
 def _int(value) -> int:
@@ -181,15 +175,14 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
             metrics.write({"step": done, **last_terms, "tokens_per_second": tokens_per_second})
             progress.update(done, loss, tokens_per_second, last_terms["learning_rate"])
         if done % options.eval_every == 0 and done != options.steps:
-            metrics.write({"step": done, **_scalars(evaluate(state.model))})
+            metrics.write({"step": done, **evaluate(state.model)})
         if done % options.checkpoint_every == 0 or done == options.steps:
             save(state)
     progress.close()
     checkpointer.close()
     final_eval = evaluate(state.model)
-    scalars = _scalars(final_eval)
-    already = any(r.get("step") == options.steps and scalars.keys() <= r.keys() for r in metrics.records())
+    already = any(r.get("step") == options.steps and final_eval.keys() <= r.keys() for r in metrics.records())
     if not already:  # a resumed run that had already finished has written its final evaluation
-        metrics.write({"step": options.steps, **scalars})
+        metrics.write({"step": options.steps, **final_eval})
     median = float(np.median(throughput)) if throughput else None
     return TrainResult(state, metrics, last_terms, final_eval, median, compile_seconds)
