@@ -17,6 +17,7 @@ differ from re-running the whole sequence; :func:`dropless` gives the same param
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -101,7 +102,7 @@ def generate(
     key: PRNGKeyArray | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     prompt_mask: Bool[Array, "batch prompt"] | None = None,
     vocab_limit: int | None = None,
 ) -> Int[Array, "batch total"]:
@@ -110,8 +111,9 @@ def generate(
     - ``temperature == 0``: greedy (argmax); ``key`` is not needed.
     - ``temperature > 0``: sample from ``softmax(logits / temperature)`` within the top-``top_p``
       nucleus (:func:`sample`); step ``i`` uses ``jax.random.fold_in(key, i)``, so a key fixes the output.
-    - ``eos_id``: a row stops after producing it and every later position of that row is ``eos_id``;
-      decoding ends once every row has stopped (the output keeps its full width).
+    - ``eos_id``: an id or several (a chat model stops on its end-of-turn token and on the
+      ``generation_config.json`` ids); a row stops after producing one and every later position of that row
+      is the first of them; decoding ends once every row has stopped (the output keeps its full width).
     - ``prompt_mask``: false at padding for a batch of prompts of different lengths, which must be
       left-padded (real tokens at the end of each row); RoPE positions count real tokens only.
     - ``vocab_limit``: only ids below it are produced (a tokenizer smaller than the model's padded
@@ -132,9 +134,11 @@ def generate(
     greedy = temperature == 0
     if not greedy and key is None:
         raise ValueError("generate: sampling (temperature > 0) needs key=jax.random.key(seed)")
-    if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
-        raise ValueError(f"generate: eos_id={eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
     vocab = model.config.vocab_size
+    eos_ids = [] if eos_id is None else [int(i) for i in np.atleast_1d(eos_id)]
+    for i in eos_ids:
+        if not 0 <= i < vocab:
+            raise ValueError(f"generate: eos_id={i} is outside the vocabulary 0..{vocab - 1}")
     if vocab_limit is not None and not 0 < vocab_limit <= vocab:
         raise ValueError(f"generate: vocab_limit={vocab_limit} must be in 1..{vocab}")
     if prompt_mask is None:
@@ -151,7 +155,7 @@ def generate(
         jnp.asarray(greedy),
         jnp.asarray(1.0 if greedy else temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),
-        jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        jnp.asarray(eos_ids or [-1], jnp.int32),
         jnp.asarray(vocab if vocab_limit is None else vocab_limit, jnp.int32),
         max_new_tokens=max_new_tokens,
     )
@@ -176,13 +180,13 @@ def _generate(
     greedy: Bool[Array, ""],
     temperature: Float[Array, ""],
     top_p: Float[Array, ""],
-    eos_id: Int[Array, ""],
+    eos_ids: Int[Array, " eos"],
     vocab_limit: Int[Array, ""],
     *,
     max_new_tokens: int,
 ) -> Int[Array, "batch total"]:
     """One program for every decoding mode: only the shapes (and the model) are static, so changing
-    ``temperature``, ``top_p``, ``eos_id`` or greedy/sampling does not recompile. ``eos_id = -1``: none."""
+    ``temperature``, ``top_p``, the eos ids or greedy/sampling does not recompile. ``eos_ids = [-1]``: none."""
     batch, prompt_len = prompt.shape
     total = prompt_len + max_new_tokens
     model = model.cast(model.config.dtype)  # once, not in every step
@@ -200,9 +204,10 @@ def _generate(
     cache = init_cache(model, batch, total - 1)
     out = model(prompt, token_mask=prompt_mask, cache=cache)
     first = pick(out.logits[:, -1], 0)
-    tokens = jnp.full((batch, total), jnp.maximum(eos_id, 0), jnp.int32)
+    filler = jnp.maximum(eos_ids[0], 0)
+    tokens = jnp.full((batch, total), filler, jnp.int32)
     tokens = tokens.at[:, :prompt_len].set(prompt).at[:, prompt_len].set(first)
-    done = first == eos_id  # never true for eos_id = -1
+    done = jnp.isin(first, eos_ids)  # never true for -1
 
     def keep_going(state):
         step, _, _, _, done = state
@@ -211,9 +216,9 @@ def _generate(
     def decode_step(state):
         step, tokens, cache, last, done = state
         out = model(last[:, None], cache=cache)
-        token = jnp.where(done, eos_id, pick(out.logits[:, 0], step))
+        token = jnp.where(done, filler, pick(out.logits[:, 0], step))
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, prompt_len + step))
-        return step + 1, tokens, out.cache, token, done | (token == eos_id)
+        return step + 1, tokens, out.cache, token, done | jnp.isin(token, eos_ids)
 
     state = (jnp.ones((), jnp.int32), tokens, out.cache, first, done)
     _, tokens, _, _, _ = jax.lax.while_loop(keep_going, decode_step, state)

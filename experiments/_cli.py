@@ -2,9 +2,11 @@
 anything else (a bug) keeps its traceback."""
 
 import errno
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from eqmoe import parallel
@@ -57,3 +59,35 @@ class MeshOptions:
         if self.mesh is None and not joined:
             return None
         return parallel.make_parallelism(self.mesh or "data=-1", self.rules)
+
+
+def parse_template_vars(items: tuple[str, ...]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON (``true``, ``3``, ``"x"``) is that value, else the text."""
+    variables = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--template-var {item!r}: expected KEY=VALUE with KEY a name, e.g. enable_thinking=false")
+        try:
+            variables[key] = json.loads(value)
+        except ValueError:
+            variables[key] = value
+    return variables
+
+
+@dataclass(frozen=True)
+class TokenizerOptions:
+    tokenizer: Path | None = None
+    """A Hugging Face tokenizer folder or its tokenizer.json; the folder's chat template (tokenizer_config.json or
+    chat_template.jinja) and generation_config.json come with it (default: bytes, 260 ids, built-in ChatML)."""
+    chat_template: Path | None = None
+    """A Jinja chat template file (or a tokenizer_config.json) to render conversations with instead."""
+    template_var: tuple[str, ...] = ()
+    """Template variables KEY=VALUE (VALUE read as JSON when it parses), e.g. enable_thinking=false."""
+
+    def load(self):
+        """The tokenizer with its chat template."""
+        from eqmoe.data import load_tokenizer
+
+        variables = parse_template_vars(self.template_var)
+        return load_tokenizer(self.tokenizer, chat_template=self.chat_template, template_vars=variables)

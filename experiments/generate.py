@@ -3,16 +3,24 @@
     python -m experiments.generate --hf path/to/Qwen3-30B-A3B --prompt "The capital of France is"
     python -m experiments.generate --hf runs/demo/hf --prompt "1 2 3" --max-new-tokens 16 --temperature 0.7 \\
         --top-p 0.9 --seed 1 --tokenizer path/to/tokenizer.json
-    python -m experiments.generate --checkpoint runs/sft/checkpoints --prompt "<|im_start|>user..."
+    python -m experiments.generate --checkpoint runs/sft/checkpoints --chat --prompt "What is 2+3?"
+    python -m experiments.generate --hf DIR --messages chat.json --template-var enable_thinking=false
 
 With ``--checkpoint`` (an eqmoe checkpoint from ``experiments.convert``, or a training run's ``checkpoints``
-folder) the tokenizer defaults to the checkpoint folder's tokenizer.json, else the one the run recorded,
-else eqmoe's byte tokenizer when the run trained on bytes.
+folder) the tokenizer defaults to the checkpoint folder's tokenizer.json, else the one the run recorded (with
+the chat template and template variables it trained with), else eqmoe's byte tokenizer when the run trained
+on bytes.
 
-Prints the prompt and its continuation as one decoded text on stdout, and one line of timing on
-stderr. Greedy unless ``--temperature`` is above 0. Decoding stops at ``--eos-id`` (by default the
-``eos_token_id`` of the folder's ``generation_config.json`` or ``config.json``, when there is one).
-Any problem with the inputs is one line on stderr and exit code 2.
+``--chat`` (or ``--messages FILE``, a JSON list of messages or ``{"messages", "tools"}``) builds the prompt with
+the tokenizer's chat template and its generation prompt, as ``apply_chat_template(add_generation_prompt=True)``
+does, and stops on the template's end-of-turn token as well as the eos ids. Without it ``--prompt`` is plain
+text.
+
+Prints the prompt and its continuation as one decoded text on stdout (``--json``: an object with the prompt
+ids, the new ids and the texts), and one line of timing on stderr. Greedy unless ``--temperature`` is above
+0. Decoding stops at ``--eos-id`` (by default every ``eos_token_id`` of the folder's
+``generation_config.json`` or ``config.json``, when there is one). Any problem with the inputs is one line on
+stderr and exit code 2.
 """
 
 import json
@@ -26,16 +34,42 @@ import jax.numpy as jnp
 import tyro
 
 from eqmoe import parallel
-from eqmoe.data import ByteTokenizer, HFTokenizer
+from eqmoe.data import (
+    ByteTokenizer,
+    Conversation,
+    HFTokenizer,
+    check_conversation,
+    end_of_turn_ids,
+    load_tokenizer,
+    prompt_ids,
+)
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
-from experiments._cli import MeshOptions, UsageError, guarded
+from experiments._cli import MeshOptions, UsageError, guarded, parse_template_vars
 
 
 @dataclass(frozen=True)
 class Args:
-    prompt: str
-    """Text to continue."""
+    prompt: str = ""
+    """Text to continue (with --chat: the user's message)."""
+
+    chat: bool = False
+    """Render --prompt as a user message with the chat template and its generation prompt."""
+
+    system: str | None = None
+    """With --chat: a system message before the user's."""
+
+    messages: Path | None = None
+    """A JSON file holding the conversation to answer (a list of messages, or {"messages", "tools"})."""
+
+    chat_template: Path | None = None
+    """A Jinja chat template file replacing the tokenizer's (or the one the run trained with)."""
+
+    template_var: tuple[str, ...] = ()
+    """Template variables KEY=VALUE (VALUE read as JSON when it parses), e.g. enable_thinking=false."""
+
+    json: bool = False
+    """Print one JSON object (prompt_ids, new_ids, prompt, completion) instead of the text."""
 
     hf: Path | None = None
     """Hugging Face model folder (config.json + safetensors), read with eqmoe.checkpoints.hf.load."""
@@ -47,7 +81,7 @@ class Args:
     """With --checkpoint: the step to load (default: the latest)."""
 
     tokenizer: Path | None = None
-    """tokenizer.json to encode and decode with (default: tokenizer.json in the --hf folder)."""
+    """Tokenizer folder or tokenizer.json to encode and decode with (default: the --hf or --checkpoint folder's)."""
 
     max_new_tokens: int = 32
     """Tokens to generate after the prompt."""
@@ -74,11 +108,22 @@ class Args:
     """Logical-axis rule overrides (see eqmoe.parallel.DEFAULT_RULES)."""
 
 
-def _tokenizer(path: Path) -> HFTokenizer:
-    """A Hugging Face tokenizer.json for plain text, special tokens included as written in the prompt."""
-    if not path.is_file():
-        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer path/to/tokenizer.json)")
-    return HFTokenizer.from_file(path, chat=False)
+def _tokenizer(path: Path, args: Args, recorded: dict) -> HFTokenizer | ByteTokenizer:
+    """The tokenizer (folder or tokenizer.json) with the chat template asked for or recorded by the run."""
+    if not path.exists():
+        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer DIR or DIR/tokenizer.json)")
+    template, variables = _template(args, recorded)
+    return load_tokenizer(path, chat=_is_chat(args), chat_template=template, template_vars=variables)
+
+
+def _is_chat(args: Args) -> bool:
+    return args.chat or args.messages is not None
+
+
+def _template(args: Args, recorded: dict) -> tuple[Path | None, dict]:
+    variables = {**(recorded.get("template_vars") or {}), **parse_template_vars(args.template_var)}
+    template = args.chat_template or (Path(recorded["chat_template"]) if recorded.get("chat_template") else None)
+    return template, variables
 
 
 def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokenizer]:
@@ -97,29 +142,45 @@ def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokeniz
 
         model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype)
     if args.tokenizer is not None or (folder / "tokenizer.json").is_file():
-        return model, folder, _tokenizer(args.tokenizer or folder / "tokenizer.json")
+        return model, folder, _tokenizer(args.tokenizer or folder, args, recorded)
     if recorded.get("tokenizer") is None and "tokenizer" in recorded:  # the run trained on bytes
-        return model, folder, ByteTokenizer()
+        template, variables = _template(args, recorded)
+        return model, folder, load_tokenizer(None, chat_template=template, template_vars=variables)
     if isinstance(recorded.get("tokenizer"), str):
-        return model, folder, _tokenizer(Path(recorded["tokenizer"]))
-    raise UsageError(f"{folder}: no tokenizer.json (pass --tokenizer path/to/tokenizer.json)")
+        return model, folder, _tokenizer(Path(recorded["tokenizer"]), args, recorded)
+    raise UsageError(f"{folder}: no tokenizer.json (pass --tokenizer DIR or DIR/tokenizer.json)")
 
 
-def default_eos_id(folder: Path) -> int | None:
-    """``eos_token_id`` of ``generation_config.json`` or ``config.json`` (the first of a list)."""
+def default_eos_ids(folder: Path) -> list[int]:
+    """Every ``eos_token_id`` of ``generation_config.json``, else of ``config.json`` (one id or a list)."""
     for name in ("generation_config.json", "config.json"):
         try:
             value = json.loads((folder / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+        values = value if isinstance(value, list) else [value]
+        ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if ids:
+            return ids
+    return []
 
 
-def run(args: Args) -> str:
+def _conversation(args: Args) -> Conversation:
+    if args.messages is not None:
+        try:
+            value = json.loads(args.messages.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{args.messages}: cannot read a JSON conversation ({error})") from None
+        if isinstance(value, dict):
+            return check_conversation(value.get("messages"), value.get("tools"), where=str(args.messages))
+        return check_conversation(value, where=str(args.messages))
+    if not args.prompt:
+        raise UsageError("--chat needs --prompt TEXT (the user's message)")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return check_conversation([*system, {"role": "user", "content": args.prompt}])
+
+
+def run(args: Args) -> dict:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.temperature < 0:
@@ -128,16 +189,22 @@ def run(args: Args) -> str:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {args.dtype}: allowed: float32 | bfloat16 | float16")
+    if not _is_chat(args) and not args.prompt:
+        raise UsageError("give --prompt TEXT (or --chat / --messages FILE)")
     model, folder, tokenizer = load_model(args)
-    ids = tokenizer.encode(args.prompt)
+    chat = _is_chat(args)
+    ids = prompt_ids(_conversation(args), tokenizer).tolist() if chat else tokenizer.encode(args.prompt)
     vocab = model.config.vocab_size
     if not ids:
         raise UsageError("the prompt is empty after tokenization")
     if max(ids) >= vocab:
         raise UsageError(f"the tokenizer produced id {max(ids)} but the model's vocabulary has {vocab} entries")
-    eos_id = args.eos_id if args.eos_id is not None else default_eos_id(folder)
-    if eos_id is not None and not 0 <= eos_id < vocab:
-        raise UsageError(f"--eos-id {eos_id}: outside the vocabulary 0..{vocab - 1}")
+    eos_ids = [args.eos_id] if args.eos_id is not None else default_eos_ids(folder)
+    if _is_chat(args):
+        eos_ids = list(dict.fromkeys([*end_of_turn_ids(tokenizer), *eos_ids]))
+    for eos_id in eos_ids:
+        if not 0 <= eos_id < vocab:
+            raise UsageError(f"--eos-id {eos_id}: outside the vocabulary 0..{vocab - 1}")
 
     parallelism = MeshOptions(mesh=args.mesh, rules=args.rules).build()
     model = parallel.shard(model, parallelism)
@@ -150,23 +217,29 @@ def run(args: Args) -> str:
             key=jax.random.key(args.seed),
             temperature=args.temperature,
             top_p=args.top_p,
-            eos_id=eos_id,
+            eos_id=eos_ids or None,
             vocab_limit=min(tokenizer.vocab_size, vocab),
         )
     row = [int(t) for t in parallel.to_host(tokens)[0]]
     seconds = time.perf_counter() - start
     new = row[len(ids) :]
-    if eos_id is not None and eos_id in new:
-        new = new[: new.index(eos_id) + 1]
+    stop = next((i for i, token in enumerate(new) if token in eos_ids), None)
+    new = new if stop is None else new[: stop + 1]
     print(f"generate: {len(new)} new tokens in {seconds:.2f}s (compilation included)", file=sys.stderr)
-    return tokenizer.decode(ids + new)
+    return {
+        "prompt_ids": ids,
+        "new_ids": new,
+        "prompt": tokenizer.decode(ids),
+        "completion": tokenizer.decode(new),
+        "text": tokenizer.decode(ids + new),
+    }
 
 
 def main(args: Args) -> int:
-    text = guarded("generate", run, args)
-    if text is None:
+    result = guarded("generate", run, args)
+    if result is None:
         return 2
-    print(text)
+    print(json.dumps(result, ensure_ascii=False) if args.json else result["text"])
     return 0
 
 

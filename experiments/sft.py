@@ -1,21 +1,26 @@
 """Supervised fine-tuning (SFT) of a Qwen3-MoE on chat data: the main job.
 
-    python -m experiments.sft                                   # tiny model, built-in tasks, ~4 min on CPU
-    python -m experiments.sft --init-from-hf DIR --data chats.jsonl --tokenizer DIR/tokenizer.json
-    python -m experiments.sft --init-from-checkpoint CKPT --data chats.jsonl --tokenizer CKPT/tokenizer.json
+    python -m experiments.sft                                   # tiny model, built-in tasks, ~3 min on CPU
+    python -m experiments.sft --init-from-hf DIR --tokenizer DIR --data chats.parquet
+    python -m experiments.sft --init-from-checkpoint CKPT --tokenizer DIR --data sharegpt.json \\
+        --template-var enable_thinking=false
     python -m experiments.sft --steps 4000 --resume             # continue the run in --out-dir
 
 With no arguments it trains the ``qwen3-moe-micro`` preset from scratch on built-in synthetic chat tasks
-(addition, reversal, sorting, largest digit) and reports held-out exact match of greedy answers. Only
-assistant tokens count in the loss. Outputs in ``--out-dir``: ``metrics.jsonl``, ``metrics.png``,
-``checkpoints/`` (orbax, keep-last-N), ``summary.json``.
+(addition, reversal, sorting, largest digit) and reports held-out exact match of greedy answers.
+Conversations are rendered with the tokenizer's own chat template (``--chat-template`` replaces it; the byte
+tokenizer's is the built-in ChatML) and only what the assistant produces counts in the loss
+(``python -m experiments.inspect_data`` shows it). Data files: JSONL, JSON, Parquet, Arrow and ``datasets``
+folders, in the messages, ShareGPT or prompt/completion layouts, tokenised once and cached by content hash.
+Outputs in ``--out-dir``: ``metrics.jsonl``, ``metrics.png``, ``checkpoints/`` (orbax, keep-last-N),
+``summary.json``.
 """
 
 import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +34,24 @@ from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_to_dict
 from eqmoe.data import (
     TRAIN_MIX,
+    Conversation,
     PackedDataset,
     TaskKind,
     distinct_kinds,
-    load_jsonl,
-    load_tokenizer,
-    pack_conversations,
+    encode_chats,
+    end_of_turn_ids,
+    pack,
     prompt_ids,
+    read_conversations,
     synthetic_split,
+    tokenize_file,
 )
+from eqmoe.data.chat import message_text
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from eqmoe.train.step import eval_step, held_out_batches
-from experiments._cli import MeshOptions, UsageError, guarded
+from experiments._cli import MeshOptions, TokenizerOptions, UsageError, guarded
 
 
 @dataclass(frozen=True)
@@ -76,13 +85,18 @@ def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class DataOptions:
+class DataOptions(TokenizerOptions):
     data: Path | None = None
-    """Training conversations, JSONL of {"messages": [{"role", "content"}]} (default: built-in tasks)."""
+    """Training conversations: .jsonl, .json, .parquet, .arrow or a datasets folder, in the messages, ShareGPT or
+    prompt/completion layout (default: built-in tasks)."""
     eval_data: Path | None = None
     """Held-out conversations (default: every 20th conversation of --data, or the built-in eval split)."""
-    tokenizer: Path | None = None
-    """A Hugging Face tokenizer.json (default: bytes, 260 ids)."""
+    data_field: str | None = None
+    """The field holding each record's messages (or, in a .json object, the list of records)."""
+    split: str | None = None
+    """The split of a datasets or Parquet folder (default: train, or its only split)."""
+    cache_dir: Path | None = None
+    """Where tokenised files are cached (default: $EQMOE_CACHE, else ~/.cache/eqmoe; tokenized/ inside)."""
     seq_len: int = 128
     """Tokens per packed row."""
     batch_size: int = 16
@@ -133,23 +147,62 @@ def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tupl
     return model, config
 
 
-def _conversations(options: DataOptions, seed: int):
-    """Training and held-out conversations, a note of what was skipped, and each held-out conversation's
-    task kind (built-in tasks only, else ``None``)."""
+class ChatData(NamedTuple):
+    """Training and held-out ``(ids, loss_mask)`` pairs, a few held-out conversations to answer, a note of
+    what was read, and each held-out pair's task kind (built-in tasks only)."""
+
+    train: list
+    held_out: list
+    sample_conversations: list[Conversation]
+    note: str
+    held_out_tasks: list[str] | None
+
+
+def _file_data(path: Path, options: DataOptions, tokenizer, samples: int, every: int | None) -> tuple:
+    """The tokenised file (every ``every``-th conversation held out when given) and held-out conversations."""
+    tokenized = tokenize_file(
+        path, tokenizer, field=options.data_field, split=options.split, cache_dir=options.cache_dir
+    )
+    pairs = list(tokenized)
+    note = f"{path}: {len(pairs)} {tokenized.layout} conversations"
+    if tokenized.skipped:
+        note += f", {tokenized.skipped} skipped (no assistant turn)"
+    note += " (tokenised before, from the cache)" if tokenized.cached else ""
+    if every is None:
+        return pairs, [], note, _first_conversations(path, options, samples, None)
+    train = [p for i, p in enumerate(pairs) if i % every != every - 1]
+    held_out = [p for i, p in enumerate(pairs) if i % every == every - 1] or pairs[:1]
+    return train, held_out, note, _first_conversations(path, options, samples, every)
+
+
+def _first_conversations(path: Path, options: DataOptions, count: int, every: int | None) -> list[Conversation]:
+    """The first ``count`` held-out conversations (every ``every``-th with an assistant turn), read again lazily."""
+    found, index = [], 0
+    for item in read_conversations(path, field=options.data_field, split=options.split).items:
+        if len(found) >= count:
+            break
+        if not item.conversation.has_reply:
+            continue
+        if every is None or index % every == every - 1:
+            found.append(item.conversation)
+        index += 1
+    return found
+
+
+def _chat_data(options: DataOptions, tokenizer, seed: int, samples: int) -> ChatData:
     if options.data is None:
         train = [e.messages for e in synthetic_split("train", options.train_examples, seed, options.tasks)]
         held_out_examples = synthetic_split("eval", options.eval_examples, seed, distinct_kinds(options.tasks))
-        held_out = [e.messages for e in held_out_examples]
-        return train, held_out, "built-in tasks", [e.task for e in held_out_examples]
-    loaded = load_jsonl(options.data)
-    note = f"{options.data}: {len(loaded.conversations)} conversations"
-    if loaded.skipped_no_assistant:
-        note += f", {loaded.skipped_no_assistant} skipped (no assistant turn)"
+        held_out = [Conversation(e.messages) for e in held_out_examples]
+        encode = lambda conversations: [(e.ids, e.loss_mask) for e in encode_chats(conversations, tokenizer)]  # noqa: E731
+        tasks = [e.task for e in held_out_examples]
+        return ChatData(encode(train), encode(held_out), held_out, "built-in tasks", tasks)
     if options.eval_data is not None:
-        return loaded.conversations, load_jsonl(options.eval_data).conversations, note, None
-    train = [c for i, c in enumerate(loaded.conversations) if i % 20 != 19]
-    held_out = [c for i, c in enumerate(loaded.conversations) if i % 20 == 19] or loaded.conversations[:1]
-    return train, held_out, note, None
+        train, _, note, _ = _file_data(options.data, options, tokenizer, 0, None)
+        held_out, _, eval_note, conversations = _file_data(options.eval_data, options, tokenizer, samples, None)
+        return ChatData(train, held_out, conversations, f"{note}; held out: {eval_note}", None)
+    train, held_out, note, conversations = _file_data(options.data, options, tokenizer, samples, 20)
+    return ChatData(train, held_out, conversations, note, None)
 
 
 def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
@@ -170,24 +223,29 @@ def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
     }
 
 
-def _samples(model: Transformer, tokenizer, conversations, count: int) -> list[dict[str, str]]:
+def _samples(model: Transformer, tokenizer, conversations: list[Conversation], count: int) -> list[dict[str, str]]:
+    """Greedy answers to the last assistant turn of each conversation, from the template's generation prompt."""
     from eqmoe.inference import generate
 
+    stops = end_of_turn_ids(tokenizer)
     samples = []
-    for messages in conversations[:count]:
-        prompt = prompt_ids(messages[:-1], tokenizer)
+    for conversation in conversations[:count]:
+        last = max(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
+        if last == 0:
+            continue
+        prompt = prompt_ids(Conversation(conversation.messages[:last], conversation.tools), tokenizer)
         output = generate(
-            model,
-            jnp.asarray(prompt)[None],
-            max_new_tokens=32,
-            eos_id=tokenizer.im_end_id,
-            vocab_limit=tokenizer.vocab_size,
+            model, jnp.asarray(prompt)[None], max_new_tokens=32, eos_id=stops or None, vocab_limit=tokenizer.vocab_size
         )
         new = [int(t) for t in np.asarray(output[0, len(prompt) :])]
-        if tokenizer.im_end_id in new:
-            new = new[: new.index(tokenizer.im_end_id)]
+        stop = next((i for i, token in enumerate(new) if token in stops), len(new))
+        asked = next((m for m in reversed(conversation.messages[:last]) if m["role"] != "assistant"), {})
         samples.append(
-            {"prompt": messages[-2]["content"], "expected": messages[-1]["content"], "generated": tokenizer.decode(new)}
+            {
+                "prompt": message_text(asked.get("content")),
+                "expected": message_text(conversation.messages[last].get("content")),
+                "generated": tokenizer.decode(new[:stop]),
+            }
         )
     return samples
 
@@ -197,15 +255,17 @@ def run(args: Args) -> dict:
     run_options, out_dir = args.run, args.run.out_dir
     run_options.check()
     parallelism = args.parallel.build()
-    tokenizer = load_tokenizer(args.data.tokenizer)
+    tokenizer = args.data.load()
     model, config = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
-    train, held_out, note, held_out_tasks = _conversations(args.data, run_options.seed)
-    packed = pack_conversations(train, tokenizer, args.data.seq_len, overflow="truncate")
-    eval_rows = pack_conversations(held_out, tokenizer, args.data.seq_len, overflow="truncate").rows
+    data = _chat_data(args.data, tokenizer, run_options.seed, run_options.samples)
+    seq_len = args.data.seq_len
+    packed = pack(data.train, seq_len, tokenizer.pad_id, overflow="truncate")
+    eval_rows = pack(data.held_out, seq_len, tokenizer.pad_id, overflow="truncate").rows
     dataset = PackedDataset(packed.rows)
     print(
-        f"data: {note}; {packed.num_conversations} packed into {len(dataset)} rows of {args.data.seq_len} "
-        f"({packed.fill:.0%} filled, {packed.too_long} truncated); {len(held_out)} held out",
+        f"data: {data.note}; {packed.num_conversations} packed into {len(dataset)} rows of {seq_len} "
+        f"({packed.fill:.0%} filled, {packed.too_long} truncated); {len(data.held_out)} held out; "
+        f"template: {tokenizer.chat_template.origin}",
         file=sys.stderr,
     )
 
@@ -217,21 +277,21 @@ def run(args: Args) -> dict:
         dataset=dataset,
         batch_size=args.data.batch_size,
         evaluate=lambda model: _evaluate(model, eval_rows, args.data.batch_size),
-        metadata={"tokenizer": tokenizer_path},
+        metadata={
+            "tokenizer": tokenizer_path,
+            "chat_template": None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
+            "template_vars": tokenizer.chat_template.variables,
+        },
         parallelism=parallelism,
     )
     model = result.state.model
     if jax.process_index() == 0:
         plot_metrics(result.metrics.records(), out_dir / "metrics.png")
-    samples = _samples(model, tokenizer, held_out, run_options.samples) if run_options.samples else []
+    samples = _samples(model, tokenizer, data.sample_conversations, run_options.samples)
     by_task = {}
-    for task in sorted(set(held_out_tasks or ())):
-        rows = pack_conversations(
-            [c for c, t in zip(held_out, held_out_tasks, strict=True) if t == task],
-            tokenizer,
-            args.data.seq_len,
-            overflow="truncate",
-        ).rows
+    for task in sorted(set(data.held_out_tasks or ())):
+        pairs = [p for p, t in zip(data.held_out, data.held_out_tasks, strict=True) if t == task]
+        rows = pack(pairs, seq_len, tokenizer.pad_id, overflow="truncate").rows
         by_task[task] = _evaluate(model, rows, args.data.batch_size)["eval_accuracy"]
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
@@ -241,7 +301,7 @@ def run(args: Args) -> dict:
         "steps": run_options.steps,
         "tokens_per_second": result.tokens_per_second,
         "compile_seconds": result.compile_seconds,
-        "held_out_conversations": len(held_out),
+        "held_out_conversations": len(data.held_out),
         "samples": samples,
         "config": config_to_dict(config),
         "args": dataclasses.asdict(args),

@@ -73,3 +73,9 @@ def _free_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _tokenized_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """Tokenised data files are cached under a per-session temporary folder, never in the user's cache."""
+    monkeypatch.setenv("EQMOE_CACHE", str(tmp_path_factory.getbasetemp() / "eqmoe-cache"))

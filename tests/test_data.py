@@ -18,7 +18,7 @@ from eqmoe.data import (
     Tokenizer,
     distinct_kinds,
     encode_chat,
-    load_jsonl,
+    load_conversations,
     load_tokenizer,
     make_example,
     pack,
@@ -57,7 +57,9 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert isinstance(tok, Tokenizer) and tok.vocab_size == 260
     text = "héllo wörld 世界 🙂 <|im_end|>"
     ids = tok.encode(text)
-    assert ids == list(text.encode("utf-8")) and max(ids) < 256  # specials in text stay bytes
+    assert ids == list(text[:-10].encode("utf-8")) + [259]  # a special spelled out is that special, as in HF
+    (_, offsets), = tok.encode_with_offsets([text])
+    assert [text[a:b] for a, b in offsets[:3]] == ["h", "é", "é"]  # both bytes of é span it
     assert tok.decode(ids) == text
     assert tok.decode(np.asarray(ids, np.int32)) == text
     specials = [tok.pad_id, tok.eos_id, tok.im_start_id, tok.im_end_id]
@@ -88,16 +90,16 @@ def test_hf_tokenizer_encodes_a_chat(tmp_path):
     assert (tok.eos_id, tok.im_start_id, tok.im_end_id, tok.vocab_size) == (base, base + 1, base + 2, base + 3)
     assert tok.pad_id == tok.eos_id  # no <|pad|>: Qwen pads with <|endoftext|>
     ids, mask = encode_chat(CHAT, tok)
-    assert tok.decode(ids) == render(CHAT)
+    assert tok.decode(ids) == render(CHAT, tok)
     assert tok.decode(ids[mask]) == "4<|im_end|>cba<|im_end|>"
     assert (ids == tok.im_start_id).sum() == len(CHAT) and (ids == tok.im_end_id).sum() == len(CHAT)
 
 
 def test_hf_tokenizer_errors_name_the_file(tmp_path):
     path = _save_hf_tokenizer(tmp_path / "tokenizer.json", ["<|endoftext|>", "<|im_start|>"])
-    with pytest.raises(ValueError, match=re.escape(str(path)) + r".*lacks .*<\|im_end\|>") as info:
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r".*no chat template .*<\|im_end\|>") as info:
         HFTokenizer.from_file(path)
-    assert "<|im_start|>" not in str(info.value).split("needed")[0]
+    assert "<|im_start|>" not in str(info.value)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"bad\.json: not a valid"):
         load_tokenizer(str(tmp_path / "bad.json"))
@@ -112,7 +114,7 @@ def test_loss_mask_covers_exactly_assistant_content_and_im_end():
     tok = ByteTokenizer()
     ids, mask = encode_chat(CHAT, tok)
     assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == mask.shape
-    assert tok.decode(ids) == render(CHAT)
+    assert tok.decode(ids) == render(CHAT, tok)
     # Each run of true positions is one assistant reply followed by <|im_end|>, in order.
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
     runs = [tok.decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2], strict=True)]
@@ -123,7 +125,7 @@ def test_loss_mask_covers_exactly_assistant_content_and_im_end():
 def test_prompt_ids_is_the_prefix_the_reply_is_trained_after():
     tok = ByteTokenizer()
     prompt = prompt_ids(CHAT[:-1], tok)
-    assert tok.decode(prompt) == render(CHAT[:-1], add_generation_prompt=True)
+    assert tok.decode(prompt) == render(CHAT[:-1], tok, add_generation_prompt=True)
     assert tok.decode(prompt).endswith("<|im_end|>\n<|im_start|>assistant\n")
     ids, mask = encode_chat(CHAT, tok)
     np.testing.assert_array_equal(ids[: len(prompt)], prompt)
@@ -138,7 +140,7 @@ def test_prompt_ids_is_the_prefix_the_reply_is_trained_after():
         ([], "empty"),
         ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}], r"messages\[1\]\.role='bot'"),
         ([{"role": "user"}], r"messages\[0\]: missing 'content'"),
-        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content: must be a string or a list of text parts"),
     ],
 )
 def test_invalid_messages_are_named(messages, error):
@@ -146,7 +148,7 @@ def test_invalid_messages_are_named(messages, error):
         encode_chat(messages, ByteTokenizer())
 
 
-# JSONL
+# Conversation files (the file formats themselves: tests/test_records.py)
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -154,21 +156,21 @@ def _write(path: Path, lines: list[str]) -> Path:
     return path
 
 
-def test_jsonl_loads_skips_blank_lines_and_counts_no_assistant(tmp_path):
+def test_conversation_file_loads_skips_blank_lines_and_counts_no_assistant(tmp_path):
     path = _write(
         tmp_path / "chat.jsonl",
         [
             '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',
             "",
             '{"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "no reply"}]}',
-            '{"messages": [{"role": "user", "content": "été"}, {"role": "assistant", "content": "ok", "w": 1}]}',
+            '{"messages": [{"role": "user", "content": "été"}, {"role": "assistant", "content": "ok", "w": null}]}',
         ],
     )
-    data = load_jsonl(path)
-    assert data.skipped_no_assistant == 1
-    assert data.conversations == [
+    data = load_conversations(path)
+    assert data.skipped_no_assistant == 1 and data.layout == "messages"
+    assert [c.messages for c in data.conversations] == [
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-        [{"role": "user", "content": "été"}, {"role": "assistant", "content": "ok"}],
+        [{"role": "user", "content": "été"}, {"role": "assistant", "content": "ok"}],  # null is no key
     ]
 
 
@@ -179,35 +181,35 @@ GOOD = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "c
     "line, error",
     [
         ('{"messages": [', "malformed JSON"),
-        ("[1, 2]", 'expected an object with a "messages" list, got list'),
-        ('{"text": "hi"}', "got an object with keys \\['text'\\]"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"text": "hi"}', "missing 'messages' \\(the file's layout is messages\\)"),
         ('{"messages": "hi"}', "messages: expected a list of messages"),
         ('{"messages": [{"role": "bot", "content": "x"}]}', r"messages\[0\]\.role='bot' is invalid"),
-        ('{"messages": [{"role": "user", "content": null}]}', r"messages\[0\]\.content must be a string"),
+        ('{"messages": [{"role": "user", "content": null}]}', r"messages\[0\]: missing 'content'"),
     ],
 )
-def test_jsonl_errors_name_file_and_line(tmp_path, line, error):
+def test_conversation_errors_name_file_and_line(tmp_path, line, error):
     path = _write(tmp_path / "data.jsonl", [GOOD, "", line])
     with pytest.raises(ValueError, match=re.escape(f"{path}:3: ") + ".*" + error):
-        load_jsonl(path)
+        load_conversations(path)
 
 
-def test_jsonl_invalid_utf8_empty_and_missing_files(tmp_path):
+def test_invalid_utf8_empty_and_missing_files(tmp_path):
     path = tmp_path / "bytes.jsonl"
     path.write_bytes(GOOD.encode() + b"\n" + b'{"messages": "\xff"}\n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: not valid UTF-8")):
-        load_jsonl(path)
+        load_conversations(path)
     empty = _write(tmp_path / "empty.jsonl", ["", "  "])
-    with pytest.raises(ValueError, match=re.escape(f"{empty}: no conversation")):
-        load_jsonl(empty)
+    with pytest.raises(ValueError, match=re.escape(f"{empty}: no")):
+        load_conversations(empty)
     only_users = _write(tmp_path / "users.jsonl", ['{"messages": [{"role": "user", "content": "a"}]}'])
     with pytest.raises(ValueError, match=re.escape(f"{only_users}: no conversation") + r".*1 without"):
-        load_jsonl(only_users)
-    with pytest.raises(FileNotFoundError, match="nothing.jsonl"):
-        load_jsonl(tmp_path / "nothing.jsonl")
+        load_conversations(only_users)
+    with pytest.raises(ValueError, match="nothing.jsonl: not found"):
+        load_conversations(tmp_path / "nothing.jsonl")
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")
-    assert len(load_jsonl(bom).conversations) == 1
+    assert len(load_conversations(bom).conversations) == 1
 
 
 # Built-in tasks

@@ -15,7 +15,7 @@ from eqmoe import Transformer, presets
 from eqmoe.checkpoints import hf
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_from_dict, config_to_dict
-from eqmoe.data import load_jsonl, load_tokenizer
+from eqmoe.data import load_conversations, load_tokenizer
 
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} | {
     "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rope_layout", "qk_norm", "eps", "ffn_placement",
@@ -100,7 +100,7 @@ def test_mangled_files_give_clear_errors(tmp_path_factory, hf_folder, data):
         original = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
         path = folder / "chats.jsonl"
         path.write_bytes(_mangled((original + "\n").encode(), data))
-        load = lambda: load_jsonl(path)  # noqa: E731
+        load = lambda: load_conversations(path)  # noqa: E731
     elif kind == "tokenizer":
         original = json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}})
         path = folder / "tokenizer.json"

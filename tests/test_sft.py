@@ -61,7 +61,8 @@ def test_resume_is_bit_identical(tmp_path):
 
 def test_built_in_task_mix_and_held_out_accuracy_by_task(tmp_path):
     args = _args(tmp_path, 5, data={"tasks": ("add", "sort", "add"), "eval_examples": 30})
-    train, held_out, _, tasks = sft._conversations(args.data, seed=0)
+    data = sft._chat_data(args.data, ByteTokenizer(), seed=0, samples=0)
+    train, held_out, tasks = data.train, data.held_out, data.held_out_tasks
     kinds = [e.task for e in synthetic_split("train", len(train), 0, ("add", "sort", "add"))]
     assert 1.7 < kinds.count("add") / kinds.count("sort") < 2.3  # a kind listed twice is drawn twice as often
     assert tasks == [e.task for e in synthetic_split("eval", 30, 0, ("add", "sort"))]  # held out: each once

@@ -13,8 +13,8 @@ Every row has (see :class:`PackedRows`):
 - ``segment_ids``: ``1, 2, 3, ...`` for the row's conversations, ``0`` for padding (attention stays
   within a segment, so ``segment_ids > 0`` is the model's ``token_mask``);
 - ``positions``: ``0, 1, ...`` restarting for each conversation, ``0`` on padding;
-- ``loss_mask``: true on the tokens that are trained as targets (assistant content and its
-  ``<|im_end|>``): the mask belongs to the token being predicted.
+- ``loss_mask``: true on the tokens that are trained as targets (what the assistant produces, its
+  end-of-turn token included): the mask belongs to the token being predicted.
 
 The loss predicts ``tokens[t + 1]`` from position ``t`` and counts it when ``loss_mask[t + 1]`` is true
 and ``segment_ids[t + 1] == segment_ids[t]``. :func:`target_mask` returns that condition aligned with the
@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 from jaxtyping import Bool, Int32
 
-from eqmoe.data.chat import Conversation, encode_chat
+from eqmoe.data.chat import encode_chats
 from eqmoe.data.tokenizer import Tokenizer
 
 Overflow = Literal["skip", "truncate"]
@@ -121,15 +121,11 @@ def pack(
 
 
 def pack_conversations(
-    conversations: Sequence[Conversation], tokenizer: Tokenizer, seq_len: int, overflow: Overflow = "skip"
+    conversations: Sequence[object], tokenizer: Tokenizer, seq_len: int, overflow: Overflow = "skip"
 ) -> Packed:
-    """Encode each conversation with the chat template and :func:`pack` them (padding with ``pad_id``)."""
-    encoded = []
-    for i, messages in enumerate(conversations):
-        try:
-            encoded.append(encode_chat(messages, tokenizer))
-        except ValueError as error:
-            raise ValueError(f"conversations[{i}]: {error}") from None
+    """Encode each conversation with the tokenizer's chat template and :func:`pack` them (padding with ``pad_id``)."""
+    where = [f"conversations[{i}]" for i in range(len(conversations))]
+    encoded = [(e.ids, e.loss_mask) for e in encode_chats(conversations, tokenizer, where=where)]
     return pack(encoded, seq_len, tokenizer.pad_id, overflow)
 
 

@@ -1,0 +1,82 @@
+"""Tokenizer folders and conversations shared by the chat-template tests."""
+
+import json
+from pathlib import Path
+
+TEMPLATES = Path(__file__).parent / "templates"
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+TOOL_CHAT = {
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21 degrees in Paris.", "reasoning_content": "The tool says 21."},
+        {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "tomorrow?"}]},
+        {"role": "assistant", "content": "I cannot tell tomorrow's.", "reasoning_content": "No forecast tool."},
+    ],
+    "tools": TOOLS,
+}
+
+PLAIN_CHAT = {
+    "messages": [
+        {"role": "user", "content": "Reverse: abc"},
+        {"role": "assistant", "content": "cba"},
+        {"role": "user", "content": "Sort: 3 1 2"},
+        {"role": "assistant", "content": "<think>\nsmall first\n</think>\n\n1 2 3"},
+    ]
+}
+
+
+def write_tokenizer_folder(folder: Path, template: str | None = None, **config) -> Path:
+    """A byte-level BPE tokenizer folder that transformers' AutoTokenizer and eqmoe both read."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [json.dumps(TOOL_CHAT), json.dumps(PLAIN_CHAT), "the weather in Paris is 21 degrees"] * 4
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=SPECIAL
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.add_tokens(ADDED)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        **config,
+    }
+    if template is not None:
+        settings["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
