@@ -181,7 +181,8 @@ class ChatTemplate:
             try:
                 self._compiled[name] = environment.from_string(text)
             except jinja2.exceptions.TemplateSyntaxError as error:
-                raise TemplateError(f"{origin}: the chat template does not compile: {error} (line {error.lineno})") from None
+                why = f"{error} (line {error.lineno})"
+                raise TemplateError(f"{origin}: the chat template does not compile: {why}") from None
 
     def source(self, tools: object = None) -> str:
         """The template text a conversation (with or without ``tools``) renders with."""
