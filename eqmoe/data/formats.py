@@ -10,7 +10,8 @@ The layout is detected from a file's first record and every record must follow i
 - ``prompt_completion``: ``{"prompt", "completion"}``, each a string (a user turn, an assistant turn) or a
   list of messages.
 
-``field`` names the key holding the messages or ShareGPT turns when it is not the usual one.
+``field`` names the key holding the messages or ShareGPT turns when it is not the usual one (in a ``.json``
+object, it names the list of records instead: see :mod:`eqmoe.data.records`).
 """
 
 import json
@@ -48,9 +49,7 @@ def _turns_layout(turns: object) -> str | None:
 
 def detect_layout(record: Mapping, field: str | None = None) -> tuple[str, str]:
     """``(layout, key)`` of a record: the layout and the key holding its turns (``prompt`` for prompt/completion)."""
-    if field is not None:
-        if field not in record:
-            raise ValueError(f"no field {field!r} (fields: {', '.join(sorted(record))})")
+    if field is not None and field in record:  # else the field named a .json file's list of records
         layout = _turns_layout(record[field])
         if layout is None:
             raise ValueError(f"field {field!r} is not a list of messages or of ShareGPT turns")
