@@ -191,7 +191,8 @@ class LossConfig:
 
     - ``"hf_pooled"``: HF ``E * sum_e f_e P_e`` with top-k fractions pooled over all MoE layers and tokens;
     - ``"axlearn_top1"``: ``E^2 * mean_{groups, e}(f_e P_e)`` with ``f_e`` the top-1 fraction, per layer;
-    - ``"maxtext_sequence"``: ``E^2 * mean_{b, e}(density P)`` per sequence, averaged over layers.
+    - ``"maxtext_sequence"``: ``E^2 * mean_{d, e}(density P)`` per packed document ``d`` (a row holds several),
+      averaged over layers.
 
     ``router_z_loss_weight`` multiplies ``mean(logsumexp(router_logits)^2)``; ``output_z_loss_weight``
     multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens.

@@ -3,6 +3,9 @@
 The load-balancing forms are registered in :data:`LOAD_BALANCE` (name -> function of the stacked
 :class:`~eqmoe.nn.router.RouterStats` giving the scalar); ``LossConfig.load_balance`` accepts exactly the
 registered names, and :func:`objective` reports every form and trains the configured one.
+
+Padding (``token_mask`` false, ``target_mask`` false) changes no term: the router statistics, capacity
+included, count real tokens only, and means over groups or documents skip those without any.
 """
 
 from collections.abc import Callable
@@ -49,7 +52,8 @@ def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
 LOAD_BALANCE: Registry[Callable[[RouterStats], Float[Array, ""]]] = Registry("load-balance form")
 LOAD_BALANCE.register("hf_pooled", pooled_load_balance)
 LOAD_BALANCE.register("axlearn_top1", lambda aux: jnp.mean(aux.top1_balance))  # per layer, averaged
-LOAD_BALANCE.register("maxtext_sequence", lambda aux: jnp.mean(aux.sequence_balance))  # per layer, averaged
+# MaxText's per-sequence form, taken per packed document (RouterStats.sequence_balance), per layer, averaged.
+LOAD_BALANCE.register("maxtext_sequence", lambda aux: jnp.mean(aux.sequence_balance))
 
 
 def objective(

@@ -50,7 +50,9 @@ class Transformer(Layer):
     **Arguments** of ``__call__``:
 
     - ``tokens``: token ids ``[batch, seq]``.
-    - ``segment_ids``: document id of each token for packed rows; attention never crosses documents.
+    - ``segment_ids``: document id of each token for packed rows (``1, 2, ...`` per row, as packing makes them);
+      attention never crosses documents and the router statistics' per-sequence balance is taken per
+      document. Without them each row is one document.
     - ``positions``: RoPE positions (default ``0..seq-1`` in every row).
     - ``token_mask``: false at padding; those keys are masked out and those tokens excluded from the
       router statistics (HF's ``attention_mask``).
@@ -132,7 +134,7 @@ class Transformer(Layer):
         layer_stats, layer_caches = [], []
         for index, segment in enumerate(model.segments):
             if cache is None:
-                x, stats = segment(x, cos, sin, mask, token_mask, token_domains)
+                x, stats = segment(x, cos, sin, mask, token_mask, token_domains, segment_ids)
             else:
                 x, stats, segment_cache = segment.decode(
                     x, cos, sin, mask, token_mask, cache.layers[index], cache.index

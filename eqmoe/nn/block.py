@@ -90,9 +90,10 @@ class Block(Layer):
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         x = x + self.attention(self.attn_norm(x), cos, sin, mask)
-        return self._ffn_residual(x, token_mask, token_domains)
+        return self._ffn_residual(x, token_mask, token_domains, segment_ids)
 
     def decode(
         self,
@@ -120,11 +121,15 @@ class Block(Layer):
         x: Float[Array, "batch seq embed"],
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
         pad_to_groups: bool = False,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         h = self.pre_norm(x) if self.pre_norm is not None else x
         if isinstance(self.ffn, MoE):
-            h, stats = _moe_padded(self.ffn, h, token_mask) if pad_to_groups else self.ffn(h, token_mask, token_domains)
+            if pad_to_groups:
+                h, stats = _moe_padded(self.ffn, h, token_mask)
+            else:
+                h, stats = self.ffn(h, token_mask, token_domains, segment_ids)
         else:
             h, stats = self.ffn(h), None
         return PLACEMENTS.get(self.placement).residual(x, h, self.post_norm), stats

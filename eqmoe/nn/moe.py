@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.config import MoEConfig
@@ -23,7 +23,8 @@ class MoE(Layer):
     left to XLA's SPMD partitioner.
 
     Returns the layer output and its :class:`RouterStats` over the tokens where ``token_mask`` is true
-    (with per-domain counts when ``token_domains``, one-hot ``[batch, seq, domains]``, is given).
+    (with per-domain counts when ``token_domains``, one-hot ``[batch, seq, domains]``, is given), the
+    per-sequence balance taken per packed document of ``segment_ids`` (each row one without them).
     """
 
     router: Router
@@ -43,6 +44,7 @@ class MoE(Layer):
         x: Float[Array, "batch seq embed"],
         token_mask: Bool[Array, "batch seq"] | None = None,
         token_domains: Float[Array, "batch seq domains"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats]:
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
@@ -60,5 +62,5 @@ class MoE(Layer):
             y = expert_parallel(flat, routing, self.experts, self.config, parallelism)
         else:
             y = dispatch.resolve(self.config)(flat, routing, self.experts, self.config)
-        stats = router_stats(routing, token_mask, self.config.router.num_groups, token_domains)
+        stats = router_stats(routing, token_mask, self.config.router.num_groups, token_domains, segment_ids)
         return y.reshape(batch, seq, embed), stats

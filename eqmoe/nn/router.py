@@ -138,15 +138,34 @@ def expert_capacity(group_size: int, num_experts: int, capacity_factor: float) -
     return max(1, int(group_size * capacity_factor / num_experts))
 
 
+def group_capacity(
+    valid: Bool[Array, "groups size"], num_experts: int, capacity_factor: float
+) -> Int[Array, " groups"]:
+    """:func:`expert_capacity` of each group's real tokens, so that padding neither takes capacity from
+    real tokens nor adds any: a packed row routes the same however much padding follows it. Never more
+    than the static buffer, ``expert_capacity(size, ...)``."""
+    size = valid.shape[1]
+    full = expert_capacity(size, num_experts, capacity_factor)
+    real = valid.sum(axis=1, dtype=jnp.int32)
+    partial = jnp.maximum(1, jnp.floor(real.astype(jnp.float32) * capacity_factor / num_experts).astype(jnp.int32))
+    # A group without padding keeps the exact Python value: float32 may round a boundary case differently.
+    return jnp.where(real == size, full, jnp.minimum(partial, full))
+
+
 def capacity_positions(
-    experts: Int[Array, "groups size k"], valid: Bool[Array, "groups size"], num_experts: int, capacity: int
+    experts: Int[Array, "groups size k"],
+    valid: Bool[Array, "groups size"],
+    num_experts: int,
+    capacity: int | Int[Array, " groups"],
 ) -> tuple[Int[Array, "groups size k"], Bool[Array, "groups size k"]]:
-    """Buffer slot of every assignment and whether it fits under ``capacity``.
+    """Buffer slot of every assignment and whether it fits under ``capacity`` (one for all groups, or
+    one per group).
 
     All rank-1 assignments are placed before any rank-2 one; within a rank, earlier tokens first
     (slot = exclusive running count within the group, offset by what earlier ranks kept). Padding
     tokens take no slot.
     """
+    capacity = jnp.broadcast_to(jnp.asarray(capacity, jnp.int32), experts.shape[:1])[:, None]
     filled = jnp.zeros((experts.shape[0], num_experts), jnp.int32)
     positions, kept = [], []
     for rank in range(experts.shape[-1]):
@@ -161,7 +180,8 @@ def capacity_positions(
 
 
 class Router(Layer):
-    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity.
+    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity
+    (per group of ``RouterConfig.num_groups``, from the group's real tokens: :func:`group_capacity`).
 
     ``bias`` is the aux-loss-free selection bias (float32, zeros at init) when
     ``config.bias_update_rate > 0``, else ``None``. It is state, not a trained parameter: the optimizer
@@ -189,12 +209,12 @@ class Router(Layer):
             positions = jnp.zeros_like(experts)
         else:
             groups = _groups(x.shape[0], config.num_groups)
-            capacity = expert_capacity(x.shape[0] // groups, config.num_experts, config.capacity_factor)
+            group_mask = token_mask.reshape(groups, -1)
             positions, kept = capacity_positions(
                 experts.reshape(groups, -1, config.top_k),
-                token_mask.reshape(groups, -1),
+                group_mask,
                 config.num_experts,
-                capacity,
+                group_capacity(group_mask, config.num_experts, config.capacity_factor),
             )
             positions, kept = positions.reshape(experts.shape), kept.reshape(experts.shape)
             weights = jnp.where(kept, weights, 0.0)
@@ -216,6 +236,7 @@ class RouterStats(NamedTuple):
 
     Sums are kept (not only means) so that losses pooled over layers, such as HF's load-balancing
     loss, can be formed exactly. Every load-balancing form is computed; the config picks the trained one.
+    Means over groups or documents count only those holding a real token, so padding changes nothing.
     """
 
     expert_counts: Float[Array, "*layers experts"]  # top-k assignments choosing each expert, before drops
@@ -223,7 +244,7 @@ class RouterStats(NamedTuple):
     num_tokens: Float[Array, "*layers"]
     dropped: Float[Array, "*layers"]  # assignments dropped by capacity
     top1_balance: Float[Array, "*layers"]  # AXLearn: E^2 * mean_{groups, e}(top-1 fraction * P)
-    sequence_balance: Float[Array, "*layers"]  # MaxText: E^2 * mean_{batch, e}(density * P)
+    sequence_balance: Float[Array, "*layers"]  # MaxText per packed document: E^2 * mean_{documents, e}(density * P)
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
     entropy_sum: Float[Array, "*layers"]  # sum over tokens of the router distribution's entropy (nats)
     domain_counts: Float[Array, "*layers domains experts"] | None = None  # assignments per token domain
@@ -243,8 +264,14 @@ class RouterStats(NamedTuple):
         return self.dropped / jnp.maximum(self.expert_counts.sum(-1), 1.0)
 
 
-def _masked_mean(values: Float[Array, "rows items experts"], valid: Float[Array, "rows items"]):
-    return jnp.sum(values * valid[..., None], axis=1) / jnp.maximum(valid.sum(axis=1), 1.0)[:, None]
+def _balance(
+    fractions: Float[Array, "items experts"], probs: Float[Array, "items experts"], counts: Float[Array, " items"]
+) -> Float[Array, ""]:
+    """``E^2 * mean_{items, e}(fraction * P)`` from per-item sums, over the items with a real token only
+    (an all-padding group or document would otherwise pull the mean toward 0)."""
+    num_experts = fractions.shape[-1]
+    per_item = jnp.sum(fractions * probs, axis=-1) / jnp.square(jnp.maximum(counts, 1.0))
+    return num_experts * jnp.sum(per_item) / jnp.maximum(jnp.sum(counts > 0), 1)
 
 
 def router_stats(
@@ -252,11 +279,14 @@ def router_stats(
     token_mask: Bool[Array, "batch seq"],
     num_groups: int,
     token_domains: Float[Array, "batch seq domains"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
 ) -> RouterStats:
     """Statistics of one layer's routing over the tokens where ``token_mask`` is true.
 
-    With ``token_domains`` (a one-hot domain label per token) ``domain_counts[d, e]`` counts the top-k
-    assignments of domain ``d``'s tokens to expert ``e`` (before capacity drops).
+    ``sequence_balance`` is taken per packed document: the tokens of one row with one segment id
+    (ids in ``0..seq``, as :mod:`eqmoe.data.packing` makes them); without ``segment_ids`` each row is
+    one document. With ``token_domains`` (a one-hot domain label per token) ``domain_counts[d, e]``
+    counts the top-k assignments of domain ``d``'s tokens to expert ``e`` (before capacity drops).
     """
     batch, seq = token_mask.shape
     num_experts = routing.probs.shape[-1]
@@ -268,15 +298,21 @@ def router_stats(
     rows = jnp.maximum(num_tokens, 1.0)
 
     groups = _groups(batch * seq, num_groups)
-    group_valid = valid.reshape(groups, -1)
-    top1 = _masked_mean(chosen[:, 0].reshape(groups, -1, num_experts), group_valid)
-    group_probs = _masked_mean(routing.probs.reshape(groups, -1, num_experts), group_valid)
-    top1_balance = num_experts**2 * jnp.mean(top1 * group_probs)
+    group_valid = valid.reshape(groups, -1, 1)
+    top1_balance = _balance(
+        jnp.sum(chosen[:, 0].reshape(groups, -1, num_experts) * group_valid, axis=1),
+        jnp.sum(routing.probs.reshape(groups, -1, num_experts) * group_valid, axis=1),
+        group_valid.sum(axis=(1, 2)),
+    )
 
-    seq_valid = valid.reshape(batch, seq)
-    density = _masked_mean(chosen.sum(axis=1).reshape(batch, seq, num_experts), seq_valid)
-    seq_probs = _masked_mean(routing.probs.reshape(batch, seq, num_experts), seq_valid)
-    sequence_balance = num_experts**2 * jnp.mean(density * seq_probs)
+    # Sums per (row, segment id) with one scatter per row: vmap keeps the rows a batch dimension of the
+    # scatter, so it stays split over a mesh's batch axes and nothing is [batch, seq, seq].
+    documents = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+    per_token = jnp.concatenate([chosen.sum(axis=1), routing.probs, jnp.ones_like(valid)[:, None]], axis=-1)
+    per_token = (per_token * valid[:, None]).reshape(batch, seq, -1)
+    sums = jax.vmap(lambda values, ids: jax.ops.segment_sum(values, ids, num_segments=seq + 1))(per_token, documents)
+    sums = sums.reshape(batch * (seq + 1), -1)
+    sequence_balance = _balance(sums[:, :num_experts], sums[:, num_experts:-1], sums[:, -1])
 
     dropped = jnp.sum((~routing.kept) * valid[:, None])
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows

@@ -55,9 +55,10 @@ class RepeatedUnit(Layer):
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         def run_block(block, x, _):
-            x, stats = block(x, cos, sin, mask, token_mask, token_domains)
+            x, stats = block(x, cos, sin, mask, token_mask, token_domains, segment_ids)
             return x, stats, None
 
         x, stats, _ = self._run(run_block, x, None)
