@@ -27,8 +27,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from eqmoe.data.jsonl import _parse_line
 from eqmoe.data.packing import Packed, pack
+from eqmoe.data.records import iter_records
 from eqmoe.data.tokenizer import Tokenizer
 
 SYNTHETIC_DOMAINS = ("arithmetic", "grammar", "strings", "python")
@@ -141,19 +141,14 @@ def load_documents(paths: Sequence[str | Path]) -> list[Document]:
             if text.strip():
                 documents.append(Document(text, path.stem))
             continue
-        with open(path, "rb") as handle:
-            for number, raw in enumerate(handle, start=1):
-                where = f"{path}:{number}"
-                record = _parse_line(raw[3:] if number == 1 and raw.startswith(b"\xef\xbb\xbf") else raw, where)
-                if record is None:
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{where}: expected an object with a string "text"')
-                domain = record.get("domain", path.stem)
-                if not isinstance(domain, str):
-                    raise ValueError(f'{where}: "domain" must be a string, got {type(domain).__name__}')
-                if record["text"].strip():
-                    documents.append(Document(record["text"], domain))
+        for record, where in iter_records(path):
+            if not isinstance(record.get("text"), str):
+                raise ValueError(f'{where}: expected an object with a string "text"')
+            domain = record.get("domain", path.stem)
+            if not isinstance(domain, str):
+                raise ValueError(f'{where}: "domain" must be a string, got {type(domain).__name__}')
+            if record["text"].strip():
+                documents.append(Document(record["text"], domain))
     if not documents:
         raise ValueError(f"{', '.join(map(str, paths))}: no non-empty document")
     return documents
