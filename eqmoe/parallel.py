@@ -18,10 +18,11 @@ expert_mlp   tensor                  each expert's width
 experts      expert                  expert parallelism: each device holds E / expert experts
 ===========  ======================  ============================================================
 
-Everything else (``layers``, ``head_dim``, ``seq``, ``norm`` for norm scales, ``gates`` for the router's
-per-expert scores) is replicated. Each parameter names its logical axes once, in the annotation of the
-field that declares it (``wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)``), with a
-leading ``layers`` axis added for every stacking; an axis name with no rule is an error. A dimension
+Everything else (``layers``, ``head_dim``, ``seq``, ``lora_rank`` for adapters' rank, ``norm`` for norm
+scales, ``gates`` for the router's per-expert scores) is replicated. Each parameter names its logical axes
+once, in the annotation of the field that declares it
+(``wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)``), with a leading ``layers`` axis
+added for every stacking; an axis name with no rule is an error. A dimension
 whose size the mesh axes do not divide is replicated instead. Rules are overridable
 (``--rules embed=,experts=expert``: an empty right side replicates).
 
@@ -53,6 +54,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": ("tensor",),
     "experts": ("expert",),
     "layers": (),
+    "lora_rank": (),
     "norm": (),
     "gates": (),
 }

@@ -32,6 +32,7 @@ class Role(enum.Enum):
     ROUTER = "router"  # the router's gate
     NORM = "norm"  # RMSNorm scales
     ROUTER_BIAS = "router_bias"  # aux-loss-free selection bias: state moved outside the gradient
+    ADAPTER = "adapter"  # a low-rank (LoRA) factor added to a frozen weight
 
     @property
     def trained(self) -> bool:

@@ -13,6 +13,7 @@ from eqmoe.config import AttentionConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn._params import Layer, Role, param
 from eqmoe.nn.flash import blockwise_attention
+from eqmoe.nn.lora import AttentionAdapters, adapted
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope
 from eqmoe.registry import Registry
@@ -164,6 +165,7 @@ class Attention(Layer):
     wo: Float[Array, "heads head_dim embed"] = param(Role.ATTENTION)
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    lora: AttentionAdapters | None
     config: AttentionConfig = eqx.field(static=True)
 
     def __init__(
@@ -186,6 +188,7 @@ class Attention(Layer):
         norm = dict(eps=eps, dtype=init.dtype, stats_dtype=stats_dtype)
         self.q_norm = RMSNorm(head_dim, **norm) if with_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if with_norm else None
+        self.lora = None
         self.config = config
 
     def _project(
@@ -198,7 +201,10 @@ class Attention(Layer):
         # Flat [tokens, embed] matmuls: XLA:CPU's backward pass is much slower on split token axes.
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
-        q, k, v = ((flat @ w.reshape(embed, -1)).reshape(batch, seq, *w.shape[1:]) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            adapted(flat, w, self.lora, name).reshape(batch, seq, *w.shape[1:])
+            for w, name in ((self.wq, "q"), (self.wk, "k"), (self.wv, "v"))
+        )
         layout, placement = self.config.rope_layout, self.config.qk_norm
         if placement == "before_rope":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -217,7 +223,7 @@ class Attention(Layer):
         backend = _resolve(self.config, mask, q.dtype)
         out = backend(q, k, v, mask, scale=scale, block_size=self.config.block_size)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
-        return (out @ self.wo.reshape(out.shape[1], -1)).reshape(batch, seq, -1)
+        return adapted(out, self.wo, self.lora, "o").reshape(batch, seq, -1)
 
     def __call__(
         self,

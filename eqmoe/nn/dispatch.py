@@ -4,6 +4,10 @@ Every backend computes ``y_t = sum_j weights[t, j] * expert_{experts[t, j]}(x_t)
 assignment has weight 0) and differs only in how the work is laid out. ``dense`` is the reference;
 the others must agree with it. Signature: ``backend(x, routing, experts, config) -> y``.
 
+With LoRA (``Experts.lora``) every backend adds each adapted matrix's ``scale * (x @ A_e) @ B_e`` beside
+``x @ W_e``, as rank-``r`` products in its own layout: a merged ``W_e + scale * A_e @ B_e`` would be a
+full copy of the expert weights per step, and its gradient a full ``[experts, embed, expert_mlp]`` array.
+
 Every backend is registered in :data:`BACKENDS` as a :class:`Backend`: the function, the planner's
 activation estimate (:mod:`eqmoe.analysis.plan` reads it, so a new backend is planned by its own formula,
 never another's) and an optional config check. ``MoEConfig.dispatch`` accepts the registered names and
@@ -20,33 +24,86 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqmoe.config import MoEConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn._params import Layer, Role, param
-from eqmoe.nn.grouped import grouped_swiglu
+from eqmoe.nn.grouped import fuse_adapters, grouped_swiglu
+from eqmoe.nn.lora import ExpertAdapters
 from eqmoe.nn.mlp import silu
 from eqmoe.nn.router import Routing, expert_capacity
 from eqmoe.registry import Registry
 
 
 class Experts(Layer):
-    """``num_experts`` SwiGLU experts stored as stacked weights."""
+    """``num_experts`` SwiGLU experts stored as stacked weights, with optional per-expert LoRA."""
 
     w_gate: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
     w_up: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
     w_down: Float[Array, "experts expert_mlp embed"] = param(Role.EXPERT)
+    lora: ExpertAdapters | None
 
-    def __init__(self, num_experts: int, embed_dim: int, expert_dim: int, *, init: Init, key: PRNGKeyArray):
+    def __init__(
+        self,
+        num_experts: int,
+        embed_dim: int,
+        expert_dim: int,
+        *,
+        init: Init,
+        key: PRNGKeyArray,
+        lora: ExpertAdapters | None = None,
+    ):
         k_gate, k_up, k_down = jax.random.split(key, 3)
         self.w_gate = init.weight(k_gate, (num_experts, embed_dim, expert_dim), fan_in=embed_dim)
         self.w_up = init.weight(k_up, (num_experts, embed_dim, expert_dim), fan_in=embed_dim)
         self.w_down = init.weight(k_down, (num_experts, expert_dim, embed_dim), fan_in=expert_dim)
+        self.lora = lora
+
+
+def _factors(lora: ExpertAdapters | None, name: str) -> tuple[Array, Array] | None:
+    """The ``(A, B)`` adapter of matrix ``name`` (``gate``, ``up`` or ``down``), ``None`` if not adapted."""
+    a = None if lora is None else getattr(lora, f"{name}_a")
+    return None if a is None else (a, getattr(lora, f"{name}_b"))
+
+
+def expert_einsum(spec: str, x: Array, weight: Array, lora: ExpertAdapters | None, name: str) -> Array:
+    """``einsum(spec, x, weight)`` plus matrix ``name``'s adapter term ``scale * (x @ A_e) @ B_e``.
+
+    ``spec`` is the weight product, its weight operand lettered ``expert, input, output``
+    (``"td,edf->etf"``); the adapter runs it with the output letter replaced by a rank ``r``, then
+    contracts ``r`` with ``B``."""
+    out = jnp.einsum(spec, x, weight)
+    factors = _factors(lora, name)
+    if factors is None:
+        return out
+    operands, result = spec.split("->")
+    x_letters, (e, i, o) = operands.split(",")
+    rank_result = result.replace(o, "r")
+    x_a = jnp.einsum(f"{x_letters},{e}{i}r->{rank_result}", x, factors[0])
+    return out + jnp.einsum(f"{rank_result},{e}r{o}->{result}", x_a, factors[1]) * lora.scale
+
+
+def ragged_matmul(
+    x: Float[Array, "rows fan_in"],
+    weight: Float[Array, "experts fan_in fan_out"],
+    group_sizes: Int[Array, " experts"],
+    lora: ExpertAdapters | None,
+    name: str,
+) -> Float[Array, "rows fan_out"]:
+    """``ragged_dot(x, weight)`` plus matrix ``name``'s adapter term, two ragged products over the same
+    groups: ``x @ A_e`` (rank ``r``), then ``@ B_e``."""
+    out = jax.lax.ragged_dot(x, weight, group_sizes)
+    factors = _factors(lora, name)
+    if factors is None:
+        return out
+    x_a = jax.lax.ragged_dot(x, factors[0], group_sizes)
+    return out + jax.lax.ragged_dot(x_a, factors[1], group_sizes) * lora.scale
 
 
 def dense(
     x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Every expert on every token, then a weighted sum: O(T * E) work, the numerical reference."""
-    tokens, num_experts = x.shape[0], params.w_gate.shape[0]
-    hidden = silu(jnp.einsum("td,edf->etf", x, params.w_gate)) * jnp.einsum("td,edf->etf", x, params.w_up)
-    outputs = jnp.einsum("etf,efd->etd", hidden, params.w_down)
+    tokens, num_experts, lora = x.shape[0], params.w_gate.shape[0], params.lora
+    gate = expert_einsum("td,edf->etf", x, params.w_gate, lora, "gate")
+    hidden = silu(gate) * expert_einsum("td,edf->etf", x, params.w_up, lora, "up")
+    outputs = expert_einsum("etf,efd->etd", hidden, params.w_down, lora, "down")
     combine = jnp.zeros((tokens, num_experts), routing.weights.dtype)
     combine = combine.at[jnp.arange(tokens)[:, None], routing.experts].add(routing.weights)
     return jnp.einsum("te,etd->td", combine, outputs)
@@ -146,8 +203,9 @@ def sorted_blocks(
     wide = tile
     while wide * 2 <= min(_WIDE_TILE_ROWS, rows.shape[0]):
         wide *= 2
+    adapters = None if params.lora is None else fuse_adapters(params.lora)
     out = grouped_swiglu(
-        rows, params.w_gate, params.w_up, params.w_down, layout.group_start, layout.group_rows, tile, wide
+        rows, params.w_gate, params.w_up, params.w_down, layout.group_start, layout.group_rows, tile, wide, adapters
     )
     return jnp.einsum("tk,tkd->td", routing.weights, _slots_of(out, layout)).astype(x.dtype)
 
@@ -161,10 +219,10 @@ def ragged(
     flat = routing.experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=params.w_gate.shape[0]).astype(jnp.int32)
-    slots = x[order // top_k]
-    hidden = silu(jax.lax.ragged_dot(slots, params.w_gate, group_sizes))
-    hidden = hidden * jax.lax.ragged_dot(slots, params.w_up, group_sizes)
-    out = jax.lax.ragged_dot(hidden, params.w_down, group_sizes)
+    slots, lora = x[order // top_k], params.lora
+    hidden = silu(ragged_matmul(slots, params.w_gate, group_sizes, lora, "gate"))
+    hidden = hidden * ragged_matmul(slots, params.w_up, group_sizes, lora, "up")
+    out = ragged_matmul(hidden, params.w_down, group_sizes, lora, "down")
     sorted_position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
     slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
     return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
@@ -188,9 +246,10 @@ def capacity(
     combine = combine.reshape(groups, size, num_experts, slots)
 
     buffers = jnp.einsum("gsec,gsd->egcd", dispatch_mask, x.reshape(groups, size, -1))
-    hidden = silu(jnp.einsum("egcd,edf->egcf", buffers, params.w_gate))
-    hidden = hidden * jnp.einsum("egcd,edf->egcf", buffers, params.w_up)
-    outputs = jnp.einsum("egcf,efd->egcd", hidden, params.w_down)
+    lora = params.lora
+    hidden = silu(expert_einsum("egcd,edf->egcf", buffers, params.w_gate, lora, "gate"))
+    hidden = hidden * expert_einsum("egcd,edf->egcf", buffers, params.w_up, lora, "up")
+    outputs = expert_einsum("egcf,efd->egcd", hidden, params.w_down, lora, "down")
     return jnp.einsum("gsec,egcd->gsd", combine, outputs).reshape(x.shape)
 
 

@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from eqmoe.config import RouterConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn._params import Layer, Role, param
+from eqmoe.nn.lora import RouterAdapter, low_rank
 from eqmoe.registry import Registry
 
 
@@ -191,16 +192,21 @@ class Router(Layer):
     # "gates": one score per expert, never split over devices (every device picks top-k over all experts).
     weight: Float[Array, "embed gates"] = param(Role.ROUTER)
     bias: Float[Array, " gates"] | None = param(Role.ROUTER_BIAS)
+    lora: RouterAdapter | None
     config: RouterConfig = eqx.field(static=True)
 
     def __init__(self, embed_dim: int, config: RouterConfig, *, init: Init, key: PRNGKeyArray):
         self.weight = init.weight(key, (embed_dim, config.num_experts), fan_in=embed_dim)
         self.bias = jnp.zeros(config.num_experts, jnp.float32) if config.bias_update_rate > 0 else None
+        self.lora = None
         self.config = config
 
     def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
         config = self.config
-        logits = (x @ self.weight).astype(jnp.float32)
+        logits = x @ self.weight
+        if self.lora is not None:
+            logits = logits + low_rank(x, self.lora.a, self.lora.b, self.lora.scale)
+        logits = logits.astype(jnp.float32)
         weights, experts = STRATEGIES.get(config.strategy).route(logits, config, self.bias)
         if config.routed_scaling_factor != 1.0:
             weights = weights * config.routed_scaling_factor
