@@ -22,6 +22,7 @@ import tyro
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.data import tokenizer_vocab_size
+from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
 
 
@@ -92,11 +93,14 @@ def to_hf(args: Args) -> str:
         raise UsageError(f"{args.checkpoint}: checkpoint folder not found")
     _check_output(args.to_hf, args.overwrite)
     model, metadata = load_model(args.checkpoint, step=args.step)
+    merged = has_lora(model)
+    model = merge_lora(model)  # LoRA adapters folded into the weights transformers reads
     tokenizer = args.tokenizer or recorded_tokenizer(metadata)
     extra = _side_files(args.checkpoint, tokenizer, model.config.vocab_size)
     dtype = None if args.dtype == "auto" else args.dtype
     hf.save(model, args.to_hf, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=True, extra_files=extra)
-    return f"{args.checkpoint} -> {args.to_hf} ({dtype or model.config.param_dtype})"
+    note = ", LoRA adapters merged" if merged else ""
+    return f"{args.checkpoint} -> {args.to_hf} ({dtype or model.config.param_dtype}{note})"
 
 
 def run(args: Args) -> str:

@@ -47,6 +47,14 @@ class Args:
     """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
     mfu: float = 0.4
     """Model FLOPs utilisation assumed for the tokens/s estimate."""
+    lora_rank: int | None = None
+    """Plan a LoRA step with adapters of this rank (the base frozen: no gradients or optimizer state for it)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator (does not change memory)."""
+    lora_targets: tuple[str, ...] = ("attention", "experts")
+    """What gets adapters (see experiments.sft --lora-targets)."""
+    freeze: tuple[str, ...] = ()
+    """Parameter roles left untrained, e.g. router embedding (no gradients or optimizer state)."""
     compile: bool = True
     """Compile with XLA (off: the analytic estimate only)."""
     json: bool = False
@@ -74,6 +82,13 @@ def plan(args: Args) -> list[dict]:
 
     if args.dispatch != "auto" and args.dispatch not in BACKENDS:
         raise ValueError(f"--dispatch {args.dispatch!r} is invalid; allowed: auto | {' | '.join(BACKENDS.names())}")
+    from eqmoe.lora import LoRAConfig
+    from eqmoe.train.optimizer import OptimizerConfig
+
+    lora = None
+    if args.lora_rank is not None:
+        lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets)
+    training = planning.Training(OptimizerConfig(freeze=args.freeze), lora)
     rows = []
     for spec in args.mesh:
         needed = _devices_needed((spec,))
@@ -84,7 +99,7 @@ def plan(args: Args) -> list[dict]:
             config = presets.get(args.preset).replace(remat=remat, dtype=args.dtype, param_dtype="float32")
             if args.dispatch != "auto" and config.moe is not None:
                 config = apply_overrides(config, {"moe.dispatch": args.dispatch})
-            estimate = planning.estimate(config, p, args.batch, args.seq)
+            estimate = planning.estimate(config, p, args.batch, args.seq, training)
             total_flops, active_flops = planning.flops_per_token(config, args.seq)
             devices = math.prod(p.mesh.shape.values())
             tokens_per_second = args.mfu * args.peak_tflops * 1e12 * devices / active_flops
@@ -100,7 +115,7 @@ def plan(args: Args) -> list[dict]:
             }
             if args.compile:
                 try:
-                    compiled = planning.compile_step(config, p, args.batch, args.seq)
+                    compiled = planning.compile_step(config, p, args.batch, args.seq, training)
                     record["compiled"] = compiled._asdict()
                 except Exception as error:  # a compiler failure is a result here, reported beside the estimate
                     record["compile_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"

@@ -47,9 +47,10 @@ from eqmoe.data import (
     tokenize_file,
 )
 from eqmoe.data.chat import message_text
+from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
-from eqmoe.train.optimizer import OptimizerConfig
+from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
 from eqmoe.train.step import eval_step, held_out_batches
 from experiments._cli import MeshOptions, TokenizerOptions, UsageError, guarded
 
@@ -69,6 +70,20 @@ class ModelOptions:
     dispatch: str | None = None
     """MoE dispatch backend: auto or one registered in eqmoe.nn.dispatch.BACKENDS (dense, sorted, ragged_dot,
     capacity); default: the model's. Like --dtype and --remat it may change on --resume."""
+    lora_rank: int | None = None
+    """Train LoRA adapters of this rank instead of the weights (the base stays frozen; default: no LoRA)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: adapters are scaled by alpha / rank."""
+    lora_targets: tuple[str, ...] = ("attention", "experts")
+    """What gets adapters: attention, mlp, router, experts, or one matrix such as attention.q or experts.down."""
+
+    def lora(self) -> LoRAConfig | None:
+        if self.lora_rank is None:
+            return None
+        try:
+            return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
+        except ValueError as error:
+            raise UsageError(f"--lora: {error}") from None
 
 
 def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
@@ -144,6 +159,12 @@ def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tupl
         model = Transformer(config, key=jax.random.key(seed))
     if vocab_size > config.vocab_size:
         raise UsageError(f"the tokenizer has {vocab_size} ids but the model's vocabulary is {config.vocab_size}")
+    lora = options.lora()
+    if lora is not None:
+        try:
+            model = add_lora(model, lora, key=jax.random.key(seed + 2))
+        except ValueError as error:
+            raise UsageError(f"--lora-targets: {error}") from None
     return model, config
 
 
@@ -281,6 +302,7 @@ def run(args: Args) -> dict:
             "tokenizer": tokenizer_path,
             "chat_template": None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
             "template_vars": tokenizer.chat_template.variables,
+            "lora": None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
         },
         parallelism=parallelism,
     )
@@ -302,6 +324,7 @@ def run(args: Args) -> dict:
         "tokens_per_second": result.tokens_per_second,
         "compile_seconds": result.compile_seconds,
         "held_out_conversations": len(data.held_out),
+        "parameters": parameter_counts(model, args.optim),
         "samples": samples,
         "config": config_to_dict(config),
         "args": dataclasses.asdict(args),
@@ -317,6 +340,8 @@ def main(args: Args) -> int:
         return 2
     for sample in summary["samples"]:
         print(f"  {sample['prompt']!r} -> {sample['generated']!r} (expected {sample['expected']!r})")
+    counts = summary["parameters"]
+    print(f"parameters: {counts['trainable']:,} trainable of {counts['total']:,} ({counts['trainable_fraction']:.3%})")
     print(
         f"final loss {summary['final_loss']:.4f}  eval loss {summary['eval_loss']:.4f}  "
         f"held-out exact match {summary['eval_accuracy']:.3f}  ({summary['tokens_per_second'] or 0:,.0f} tok/s)"

@@ -40,8 +40,10 @@ import jax.numpy as jnp
 
 from eqmoe import parallel
 from eqmoe.config import ModelConfig
+from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
-from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
+from eqmoe.nn._params import param_infos
+from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import abstract_state
 from eqmoe.train.step import Batch, train_step_fn
 
@@ -72,16 +74,31 @@ class Memory(NamedTuple):
         return self.argument + self.temp
 
 
+class Training(NamedTuple):
+    """What a step trains: the optimizer settings (``freeze``) and LoRA adapters, if any."""
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    lora: LoRAConfig | None = None
+
+
 def _local_size(leaf: jax.ShapeDtypeStruct) -> int:
     return math.prod(leaf.sharding.shard_shape(leaf.shape)) if leaf.sharding is not None else math.prod(leaf.shape)
 
 
-def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int):
+def _model_fn(config: ModelConfig, lora: LoRAConfig | None):
+    def build():
+        model = Transformer(config, key=jax.random.key(0))
+        return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
+
+    return build
+
+
+def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None):
     """The sharded abstract train state, its static part, the batch and the optimizer pieces."""
-    optimizer_config = OptimizerConfig()
-    model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
-    optimizer, schedule = make_optimizer(optimizer_config, model, embed_dim=config.embed_dim)
-    state = abstract_state(lambda: Transformer(config, key=jax.random.key(0)), optimizer, key=jax.random.key(1))
+    training = training or Training()
+    model = eqx.filter_eval_shape(_model_fn(config, training.lora))
+    optimizer, schedule = make_optimizer(training.optimizer, model, embed_dim=config.embed_dim)
+    state = abstract_state(_model_fn(config, training.lora), optimizer, key=jax.random.key(1))
     state = parallel.abstract_sharded(state, p)
     rows = p.sharding(("batch", "seq"), (batch, seq))
     dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.bool_)
@@ -90,10 +107,18 @@ def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int
     return state, data, optimizer, schedule
 
 
-def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> Memory:
-    """The analytic :class:`Memory` of one train step (see the module docstring for the formulas)."""
-    state, _, _, _ = _abstract(config, p, batch, seq)
-    params = sum(_local_size(x) for x in jax.tree.leaves(state.model) if isinstance(x, jax.ShapeDtypeStruct))
+def estimate(
+    config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None
+) -> Memory:
+    """The analytic :class:`Memory` of one train step (see the module docstring for the formulas). With
+    frozen roles or LoRA (``training``) only the trained parameters have gradients and optimizer state."""
+    training = training or Training()
+    state, _, _, _ = _abstract(config, p, batch, seq, training)
+    leaves = [x for x in jax.tree.leaves(state.model) if isinstance(x, jax.ShapeDtypeStruct)]
+    params = sum(_local_size(x) for x in leaves)
+    is_trained = trained_roles(training.optimizer, state.model)
+    infos = param_infos(state.model)
+    trained = sum(_local_size(x) for x, info in zip(leaves, infos, strict=True) if is_trained(info.role))
     shards = math.prod(p.size(a) for a in p.mesh_axes("batch"))
     rows = batch // shards if batch % shards == 0 else batch
     tokens = rows * seq
@@ -124,11 +149,11 @@ def estimate(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int)
         activations += tokens * 4 * heads * hd + 4 * rows * heads * tile * tile
     return Memory(
         parameters=4 * params,
-        optimizer=2 * 4 * params,
-        gradients=2 * 4 * params,  # the gradients and the optimizer's update, both parameter-sized
+        optimizer=2 * 4 * trained,
+        gradients=2 * 4 * trained,  # the gradients and the optimizer's update of the trained parameters
         activations=float(activations),
         batch=float(13 * tokens),  # three int32 arrays and a bool mask
-        output=3 * 4 * params,
+        output=4 * params + 2 * 4 * trained,
     )
 
 
@@ -172,12 +197,15 @@ class Compiled(NamedTuple):
     compile_seconds: float
 
 
-def compile_step(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> Compiled:
+def compile_step(
+    config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None
+) -> Compiled:
     """Lower and compile the real train step on abstract sharded inputs and read XLA's analyses."""
+    training = training or Training()
     started = time.perf_counter()
-    state, data, optimizer, schedule = _abstract(config, p, batch, seq)
+    state, data, optimizer, schedule = _abstract(config, p, batch, seq, training)
     dynamic, static = eqx.partition(state, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    step = train_step_fn(optimizer, schedule)
+    step = train_step_fn(optimizer, schedule, trained_roles(training.optimizer, state.model))
     with parallel.activate(p):
         lowered = jax.jit(lambda d, b: step(b, eqx.combine(d, static)), donate_argnums=0).lower(dynamic, data)
         lowered_at = time.perf_counter()

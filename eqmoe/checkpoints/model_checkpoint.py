@@ -51,7 +51,8 @@ def load_model(
 ) -> tuple[Transformer, dict[str, Any]]:
     """The model saved in ``directory`` at ``step`` (None: the latest) and that step's metadata.
 
-    ``directory`` is either written by :func:`save_model` or a training run's ``checkpoints`` folder.
+    ``directory`` is either written by :func:`save_model` or a training run's ``checkpoints`` folder. A model
+    trained with LoRA (``metadata["lora"]``) comes back with its adapters (``eqmoe.lora.merge_lora`` folds them).
     ``dtype`` casts every floating parameter and sets the compute dtype (default: as saved).
     """
     directory = Path(directory)
@@ -64,9 +65,23 @@ def load_model(
         except (TypeError, ValueError) as error:
             raise ValueError(f"{directory}: the checkpoint's model config is invalid ({error})") from None
         in_train_state = any(path.startswith(".model.") for path in checkpointer.leaf_paths(step))
-        abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+        abstract = eqx.filter_eval_shape(_model_fn(metadata, directory), config)
         model, _ = checkpointer.restore(step, abstract, field="model" if in_train_state else None)
     if dtype is not None:
         name = jnp.dtype(dtype).name
         model = model.cast(name).with_config(config.replace(param_dtype=name, dtype=name), allow=("param_dtype",))
     return model, metadata
+
+
+def _model_fn(metadata: dict[str, Any], directory: Path):
+    """What builds the checkpoint's model: the config's, with the adapters its metadata records."""
+    lora = metadata.get("lora")
+    if lora is None:
+        return lambda config: Transformer(config, key=jax.random.key(0))
+    from eqmoe.lora import LoRAConfig, add_lora
+
+    try:
+        lora_config = LoRAConfig(**{**lora, "targets": tuple(lora["targets"])})
+    except (TypeError, KeyError, ValueError) as error:
+        raise ValueError(f"{directory}: the checkpoint's LoRA settings are invalid ({error})") from None
+    return lambda config: add_lora(Transformer(config, key=jax.random.key(0)), lora_config, key=jax.random.key(0))

@@ -23,7 +23,7 @@ from eqmoe.config_io import architecture_differences, config_from_dict, config_t
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress
-from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
+from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import TrainState, abstract_state, init_state
 from eqmoe.train.step import device_batch, make_train_step
 
@@ -103,7 +103,9 @@ def _int(value) -> int:
 def _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism) -> TrainResult:
     options.check()
     config, out_dir = model.config, options.out_dir
-    optimizer, schedule = make_optimizer(optimizer_config, eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
+    params = eqx.filter(model, eqx.is_array)
+    optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
+    trained = trained_roles(optimizer_config, params)
     key = jax.random.key(options.seed + 1)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
     latest = checkpointer.latest_step() if options.resume else None
@@ -134,7 +136,7 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     primary = jax.process_index() == 0
     resumed_at = start if latest is not None else None
     metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=resumed_at, primary=primary)
-    train_step = make_train_step(optimizer, schedule)
+    train_step = make_train_step(optimizer, schedule, trained)
 
     def save(state: TrainState) -> None:
         step = _int(state.step)

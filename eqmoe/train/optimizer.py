@@ -9,8 +9,9 @@ One :class:`OptimizerConfig` covers both conventions in use:
 ``mup_base_dim`` enables AXLearn's "mup-simple": Adam updates of attention, dense-FFN and expert weights
 are multiplied by ``min(mup_base_dim / embed_dim, 1)``; the router gate, embedding and norms are not.
 
-Parameters that are not trained (the router's selection bias, moved by :mod:`eqmoe.train.balance`) get
-no update. Every mask reads the :class:`eqmoe.nn.Role` each parameter declares.
+Parameters that are not trained (the router's selection bias, moved by :mod:`eqmoe.train.balance`; the
+roles in ``freeze``; everything but the adapters of a LoRA model) get no update and no optimizer state.
+Every mask reads the :class:`eqmoe.nn.Role` each parameter declares.
 """
 
 from collections.abc import Callable
@@ -23,7 +24,10 @@ import jax.numpy as jnp
 import optax
 
 from eqmoe.config import _check, _positive
-from eqmoe.nn._params import Role, param_info
+from eqmoe.nn._params import Role, param_info, param_infos
+
+FREEZABLE = tuple(role.value for role in Role if role.trained and role is not Role.ADAPTER)
+_ALIASES = {"embeddings": "embedding", "experts": "expert", "norms": "norm", "routers": "router"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class OptimizerConfig:
     """Clip gradients to this global norm (None: no clipping)."""
     mup_base_dim: int | None = None
     """mup-simple: scale matrix updates by min(mup_base_dim / embed_dim, 1) (None: off)."""
+    freeze: tuple[str, ...] = ()
+    """Parameter roles left untrained (no gradient, no optimizer state), e.g. router,embedding. A model with
+    LoRA adapters trains its adapters only."""
 
     def __post_init__(self):
         _positive("OptimizerConfig", learning_rate=self.learning_rate, eps=self.eps)
@@ -74,6 +81,13 @@ class OptimizerConfig:
             _positive("OptimizerConfig", decay_steps=self.decay_steps)
         if self.mup_base_dim is not None:
             _positive("OptimizerConfig", mup_base_dim=self.mup_base_dim)
+        for name in self.freeze:
+            if _ALIASES.get(name, name) not in FREEZABLE:
+                allowed = " | ".join(FREEZABLE)
+                raise ValueError(f"OptimizerConfig.freeze: {name!r} is not a role; allowed: {allowed}")
+
+    def frozen_roles(self) -> frozenset[Role]:
+        return frozenset(Role(_ALIASES.get(name, name)) for name in self.freeze)
 
 
 def envy_optimizer(embed_dim: int) -> OptimizerConfig:
@@ -117,6 +131,14 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 def _mask(params, predicate: Callable[[Role], bool]):
     """``predicate(role)`` for every parameter of ``params`` (its declared :class:`Role`)."""
     return jax.tree.map(lambda info: predicate(info.role), param_info(params))
+
+
+def trained_roles(config: OptimizerConfig, params) -> Callable[[Role], bool]:
+    """Whether the optimizer trains a role: not the router bias (moved by the balance rule), not a frozen
+    role, and, when ``params`` hold LoRA adapters, nothing but the adapters."""
+    frozen = config.frozen_roles()
+    adapters = any(info.role is Role.ADAPTER for info in param_infos(params))
+    return lambda role: role.trained and role not in frozen and (role is Role.ADAPTER or not adapters)
 
 
 def _check_declared(params) -> None:
@@ -174,8 +196,10 @@ def make_optimizer(
         steps.append(optax.scale_by_learning_rate(schedule))
     optimizer = optax.chain(*steps)
 
+    is_trained = trained_roles(config, params)
+
     def labels(tree):  # a function: optax would call a model-shaped label tree (equinox modules are callable)
-        trained = _mask(tree, lambda role: role.trained)
+        trained = _mask(tree, is_trained)
         return jax.tree.map(lambda is_trained: "trained" if is_trained else "state", trained)
 
     if "state" in jax.tree.leaves(labels(params)):
@@ -186,3 +210,13 @@ def make_optimizer(
 def model_params(model: eqx.Module):
     """The array leaves an optimizer updates."""
     return eqx.filter(model, eqx.is_array)
+
+
+def parameter_counts(model, config: OptimizerConfig) -> dict[str, int | float]:
+    """Total and trainable parameter counts of ``model`` under ``config`` (frozen roles, LoRA)."""
+    params = eqx.filter(model, eqx.is_array)
+    is_trained = trained_roles(config, params)
+    infos, leaves = param_infos(params), jax.tree.leaves(params)
+    total = sum(leaf.size for leaf in leaves)
+    trainable = sum(leaf.size for info, leaf in zip(infos, leaves, strict=True) if is_trained(info.role))
+    return {"total": total, "trainable": trainable, "trainable_fraction": trainable / max(total, 1)}

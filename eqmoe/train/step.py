@@ -13,6 +13,7 @@ from eqmoe import parallel
 from eqmoe.data import packing
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
+from eqmoe.nn._params import ParamInfo, Role, param_info
 from eqmoe.nn.router import RouterStats
 from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
@@ -77,23 +78,45 @@ def batch_loss(
 
 
 def make_train_step(
-    optimizer: optax.GradientTransformation, schedule: optax.Schedule
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    trained: Callable[[Role], bool] | None = None,
 ) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
     """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated.
 
     After the optimizer update, routers with a selection bias are rebalanced from this batch's loads
     (:func:`eqmoe.train.balance.update_router_biases`)."""
 
-    return eqx.filter_jit(train_step_fn(optimizer, schedule), donate="all-except-first")
+    return eqx.filter_jit(train_step_fn(optimizer, schedule, trained), donate="all-except-first")
+
+
+def _trained_part(model: Transformer, trained: Callable[[Role], bool]):
+    """``(trained, frozen)`` halves of ``model`` (``eqx.partition``) by each parameter's role."""
+    spec = jax.tree.map(
+        lambda info: isinstance(info, ParamInfo) and info.role is not None and trained(info.role),
+        param_info(model),
+        is_leaf=lambda x: isinstance(x, ParamInfo),
+    )
+    return eqx.partition(model, spec)
 
 
 def train_step_fn(
-    optimizer: optax.GradientTransformation, schedule: optax.Schedule
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    trained: Callable[[Role], bool] | None = None,
 ) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
-    """The un-compiled train step (for lowering on abstract inputs, as ``experiments.plan`` does)."""
+    """The un-compiled train step (for lowering on abstract inputs, as ``experiments.plan`` does).
+
+    ``trained`` (``eqmoe.train.optimizer.trained_roles``) says which roles are differentiated: the others
+    (frozen roles, the base weights of a LoRA model) are constants of the loss, so no gradient of theirs is
+    computed, and the optimizer, which keeps no state for them, leaves them bit-identical."""
+    trained = trained or (lambda role: role.trained)
 
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
-        (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(batch_loss, has_aux=True)(state.model, batch)
+        differentiated, constant = _trained_part(state.model, trained)
+        loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch)  # noqa: E731
+        (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
+        grads = eqx.combine(grads, jax.tree.map(jnp.zeros_like, constant))  # zeros the optimizer drops
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
