@@ -109,6 +109,15 @@ def _adapters(layer, group: str, config: LoRAConfig, key: PRNGKeyArray):
     return adapters
 
 
+def adapter_member(layer, weight_name: str) -> str | None:
+    """The adapter field prefix (``q_``, ``gate_``, ``""`` for the router) of ``layer``'s weight ``weight_name``,
+    or None when LoRA cannot target it."""
+    if not _is_target(layer):
+        return None
+    _, members, _ = _GROUPS[_group_of(layer)]
+    return next((f"{m}_" if m else "" for m, (field, _, _) in members.items() if field == weight_name), None)
+
+
 def _target_layers(model) -> list:
     return [leaf for leaf in jax.tree.leaves(model, is_leaf=_is_target) if _is_target(leaf)]
 

@@ -4,10 +4,13 @@
     python -m experiments.check_logits --hf DIR --candidate FINETUNED    # an eqmoe-exported folder vs DIR
     python -m experiments.check_logits --hf DIR --checkpoint CKPT        # an eqmoe checkpoint (convert, sft)
     python -m experiments.check_logits --hf DIR --dtype bfloat16 --max-kl 0.015
+    python -m experiments.check_logits --hf BASE --peft ADAPTERS --checkpoint LORA_RUN/checkpoints
 
 transformers (torch, eager attention and experts) runs the ``--hf`` folder; eqmoe runs ``--checkpoint``
 (an eqmoe checkpoint, e.g. from ``experiments.convert`` or an SFT run's ``checkpoints`` folder) or
-``--candidate`` (a Hugging Face folder), by default the ``--hf`` folder converted on the fly. For each
+``--candidate`` (a Hugging Face folder), by default the ``--hf`` folder converted on the fly. With ``--peft``
+transformers runs ``--hf`` with that PEFT adapter folder on it (``convert --adapter-only`` writes one), the
+reference for a LoRA run's checkpoint, which eqmoe runs with its adapters unmerged. For each
 prompt it prints the top-k overlap, Jaccard and rank agreement at the last position and the per-position
 KL(P_hf || Q_eqmoe), mean and max, and it exits with status 1 when any max KL exceeds ``--max-kl``.
 Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR/tokenizer.json``), otherwise fixed
@@ -46,6 +49,10 @@ class Args:
     """eqmoe checkpoint eqmoe runs instead (experiments.convert output or a training run's checkpoints folder)."""
     step: int | None = None
     """With --checkpoint: the step (default: the latest)."""
+    base: Path | None = None
+    """With --checkpoint: its base model folder, when it moved (a checkpoint that holds only what training changed)."""
+    peft: Path | None = None
+    """PEFT adapter folder that transformers puts on --hf (needs peft)."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     """Text prompts (used when a tokenizer is available)."""
     tokenizer: Path | None = None
@@ -90,7 +97,7 @@ def main(args: Args) -> int:
         if args.candidate is not None and args.checkpoint is not None:
             raise ValueError("give --candidate or --checkpoint, not both")
         if args.checkpoint is not None:
-            model, _ = load_model(args.checkpoint, step=args.step, dtype=args.dtype)
+            model, _ = load_model(args.checkpoint, step=args.step, dtype=args.dtype, base=args.base)
             expected = hf.read_config(args.hf).vocab_size
             if model.config.vocab_size != expected:
                 raise ValueError(
@@ -110,6 +117,13 @@ def main(args: Args) -> int:
         use_safetensors=True,  # never torch.load (pickle) a pytorch_model.bin found beside the weights
         trust_remote_code=False,
     ).eval()
+    if args.peft is not None:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            print("check_logits: --peft needs peft (pip install -e '.[test]')", file=sys.stderr)
+            return 2
+        reference = PeftModel.from_pretrained(reference, args.peft).eval()
     forward = eqx.filter_jit(lambda model, ids: model(ids).logits)
     worst = 0.0
     print(f"{'prompt':>6}  {'tokens':>6}  {'KL mean':>10}  {'KL max':>10}  overlap  jaccard  rank agree  max|diff|")

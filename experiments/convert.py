@@ -3,10 +3,15 @@
     python -m experiments.convert --hf path/to/Qwen3-30B-A3B --out ckpt/qwen3-30b   # HF -> eqmoe
     python -m experiments.convert --checkpoint ckpt/qwen3-30b --to-hf out/qwen3-30b  # eqmoe -> HF
     python -m experiments.convert --checkpoint runs/sft/checkpoints --to-hf out/sft-hf --max-shard-size 2GB
+    python -m experiments.convert --checkpoint runs/lora/checkpoints --to-hf out/lora-peft --adapter-only
 
 An eqmoe checkpoint loads with ``eqmoe.checkpoints.model_checkpoint.load_model``, ``sft --init-from-checkpoint``,
 ``generate --checkpoint`` and ``check_logits --checkpoint``; ``--checkpoint`` also takes a training run's
 ``checkpoints`` folder (its latest step, or ``--step``). Tokenizer and generation files travel with the weights.
+A LoRA run's adapters are merged into the weights (``--merge``, the default) or written alone as a PEFT adapter
+folder (``--adapter-only``) for ``peft.PeftModel.from_pretrained`` on the base; a checkpoint that holds only what
+training changed reads the rest from its base folder, which must be the one it was trained on (``--base`` when
+it moved).
 Tensors move one at a time, so host memory holds about the model once plus one tensor (plus one output shard
 when writing HF). Outputs are written under a temporary name and renamed; an existing output is refused
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
@@ -21,6 +26,7 @@ import tyro
 
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
+from eqmoe.checkpoints.peft import save_adapters
 from eqmoe.data import tokenizer_vocab_size
 from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
@@ -44,6 +50,13 @@ class Args:
     """tokenizer.json to check against the vocabulary and ship with the output (default: the source's)."""
     max_shard_size: str = "5GB"
     """With --to-hf: the largest safetensors shard (an index json is written when there are several)."""
+    merge: bool = False
+    """With --to-hf: fold LoRA adapters into the weights (what happens unless --adapter-only)."""
+    adapter_only: bool = False
+    """With --to-hf: write only the LoRA adapters, as a PEFT adapter folder (adapter_model.safetensors +
+    adapter_config.json) for the base model."""
+    base: Path | None = None
+    """The base model folder of a checkpoint that holds only what training changed (default: where the run read it)."""
     overwrite: bool = False
     """Replace an existing output folder."""
 
@@ -92,8 +105,17 @@ def to_hf(args: Args) -> str:
     if not args.checkpoint.is_dir():
         raise UsageError(f"{args.checkpoint}: checkpoint folder not found")
     _check_output(args.to_hf, args.overwrite)
-    model, metadata = load_model(args.checkpoint, step=args.step)
+    if args.merge and args.adapter_only:
+        raise UsageError("give --merge or --adapter-only, not both")
+    model, metadata = load_model(args.checkpoint, step=args.step, base=args.base)
     merged = has_lora(model)
+    if args.adapter_only:
+        if not merged:
+            raise UsageError(f"{args.checkpoint}: --adapter-only: the checkpoint has no LoRA adapters")
+        base = metadata.get("base") or {}
+        base_path = args.base or (base.get("path") if base.get("format") == "hf" else None)
+        save_adapters(model, args.to_hf, base_model=None if base_path is None else str(base_path), overwrite=True)
+        return f"{args.checkpoint} -> {args.to_hf} (LoRA adapters only, PEFT layout)"
     model = merge_lora(model)  # LoRA adapters folded into the weights transformers reads
     tokenizer = args.tokenizer or recorded_tokenizer(metadata)
     extra = _side_files(args.checkpoint, tokenizer, model.config.vocab_size)

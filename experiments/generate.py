@@ -80,6 +80,9 @@ class Args:
     step: int | None = None
     """With --checkpoint: the step to load (default: the latest)."""
 
+    base: Path | None = None
+    """With --checkpoint: its base model folder, when it moved (a checkpoint that holds only what training changed)."""
+
     tokenizer: Path | None = None
     """Tokenizer folder or tokenizer.json to encode and decode with (default: the --hf or --checkpoint folder's)."""
 
@@ -140,7 +143,7 @@ def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokeniz
     else:
         from eqmoe.checkpoints.model_checkpoint import load_model as load_checkpoint
 
-        model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype)
+        model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype, base=args.base)
     if args.tokenizer is not None or (folder / "tokenizer.json").is_file():
         return model, folder, _tokenizer(args.tokenizer or folder, args, recorded)
     if recorded.get("tokenizer") is None and "tokenizer" in recorded:  # the run trained on bytes

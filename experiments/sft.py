@@ -29,6 +29,7 @@ import tyro
 
 from eqmoe import Transformer, parallel, presets
 from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.base import BaseModel, identify
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_to_dict
@@ -47,7 +48,7 @@ from eqmoe.data import (
     tokenize_file,
 )
 from eqmoe.data.chat import message_text
-from eqmoe.lora import LoRAConfig, add_lora
+from eqmoe.lora import LoRAConfig, add_lora, merge_lora
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
@@ -144,14 +145,24 @@ class Args:
     parallel: MeshOptions = MeshOptions()
 
 
-def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tuple[Transformer, ModelConfig]:
+class StartingModel(NamedTuple):
+    model: Transformer
+    config: ModelConfig
+    base: BaseModel | None  # the folder it was read from (None: a preset initialised here)
+
+
+def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> StartingModel:
     if options.init_from_hf is not None and options.init_from_checkpoint is not None:
         raise UsageError("give --init-from-hf or --init-from-checkpoint, not both")
+    base = None
     if options.init_from_hf is not None or options.init_from_checkpoint is not None:
         if options.init_from_hf is not None:
             model = hf.load(options.init_from_hf)
+            base = identify(options.init_from_hf)
         else:
-            model, _ = load_model(options.init_from_checkpoint, dtype="float32")
+            base = identify(options.init_from_checkpoint)
+            model, _ = load_model(options.init_from_checkpoint, step=base.step, dtype="float32")
+            model = merge_lora(model)  # an adapter run's result is this run's base
         config = execution_config(model.config, options)
         model = model.with_config(config)
     else:
@@ -165,7 +176,7 @@ def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> tupl
             model = add_lora(model, lora, key=jax.random.key(seed + 2))
         except ValueError as error:
             raise UsageError(f"--lora-targets: {error}") from None
-    return model, config
+    return StartingModel(model, config, base)
 
 
 class ChatData(NamedTuple):
@@ -277,7 +288,7 @@ def run(args: Args) -> dict:
     run_options.check()
     parallelism = args.parallel.build()
     tokenizer = args.data.load()
-    model, config = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
+    model, config, base = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
     data = _chat_data(args.data, tokenizer, run_options.seed, run_options.samples)
     seq_len = args.data.seq_len
     packed = pack(data.train, seq_len, tokenizer.pad_id, overflow="truncate")
@@ -303,6 +314,7 @@ def run(args: Args) -> dict:
             "chat_template": None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
             "template_vars": tokenizer.chat_template.variables,
             "lora": None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
+            "base": None if base is None else base.to_json(),
         },
         parallelism=parallelism,
     )

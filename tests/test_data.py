@@ -58,7 +58,7 @@ def test_byte_tokenizer_round_trip_and_specials():
     text = "héllo wörld 世界 🙂 <|im_end|>"
     ids = tok.encode(text)
     assert ids == list(text[:-10].encode("utf-8")) + [259]  # a special spelled out is that special, as in HF
-    (_, offsets), = tok.encode_with_offsets([text])
+    ((_, offsets),) = tok.encode_with_offsets([text])
     assert [text[a:b] for a, b in offsets[:3]] == ["h", "é", "é"]  # both bytes of é span it
     assert tok.decode(ids) == text
     assert tok.decode(np.asarray(ids, np.int32)) == text

@@ -5,6 +5,10 @@ Two kinds of orbax checkpoint hold a model and both load with :func:`load_model`
 Hugging Face folder) and the training checkpoints of ``experiments.sft`` (the tree is a train state whose
 ``model`` field is read alone, without the optimizer state). Either way the metadata's ``config`` entry is
 the :func:`eqmoe.config_io.config_to_dict` of the model's config.
+
+A checkpoint whose metadata records a ``base`` (:class:`eqmoe.checkpoints.base.BaseModel`) holds only what
+training changed (LoRA adapters, unfrozen weights, router biases): every leaf it does not hold is read from
+the base folder, after checking that the folder's content digest is the recorded one.
 """
 
 import os
@@ -17,9 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from eqmoe.checkpoints._staging import staged_folder
+from eqmoe.checkpoints.base import BaseModel, locate
 from eqmoe.checkpoints.orbax import Checkpointer
+from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_from_dict, config_to_dict
 from eqmoe.model import Transformer
+from eqmoe.nn import Role, param_info
+from eqmoe.nn._params import ParamInfo
 
 MODEL_KIND = "eqmoe-model"
 
@@ -47,12 +55,18 @@ def save_model(
 
 
 def load_model(
-    directory: str | os.PathLike, *, step: int | None = None, dtype: str | None = None
+    directory: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    base: str | os.PathLike | None = None,
 ) -> tuple[Transformer, dict[str, Any]]:
     """The model saved in ``directory`` at ``step`` (None: the latest) and that step's metadata.
 
     ``directory`` is either written by :func:`save_model` or a training run's ``checkpoints`` folder. A model
     trained with LoRA (``metadata["lora"]``) comes back with its adapters (``eqmoe.lora.merge_lora`` folds them).
+    A checkpoint that holds only what training changed reads the rest from its recorded base folder, or from
+    ``base`` when given (a moved copy); ``ValueError`` when that folder is missing or its content differs.
     ``dtype`` casts every floating parameter and sets the compute dtype (default: as saved).
     """
     directory = Path(directory)
@@ -64,24 +78,82 @@ def load_model(
             config = config_from_dict(metadata["config"])
         except (TypeError, ValueError) as error:
             raise ValueError(f"{directory}: the checkpoint's model config is invalid ({error})") from None
-        in_train_state = any(path.startswith(".model.") for path in checkpointer.leaf_paths(step))
-        abstract = eqx.filter_eval_shape(_model_fn(metadata, directory), config)
-        model, _ = checkpointer.restore(step, abstract, field="model" if in_train_state else None)
+        saved_paths = checkpointer.leaf_paths(step)
+        in_train_state = any(path.startswith(".model.") for path in saved_paths)
+        prefix = ".model" if in_train_state else ""
+        lora = _lora_config(metadata, directory)
+        abstract = eqx.filter_eval_shape(lambda: _with_lora(Transformer(config, key=jax.random.key(0)), lora))
+        if metadata.get("base") is None:
+            model, _ = checkpointer.restore(step, abstract, field="model" if in_train_state else None)
+        else:
+            recorded = BaseModel.from_json(metadata["base"], str(directory))
+            found = locate(recorded, str(directory), base)
+            frozen = _with_lora(load_base(found, config), lora)
+            mask = saved_mask(abstract, set(saved_paths), prefix)
+            changed, _ = eqx.partition(abstract, mask)
+            restored, _ = checkpointer.restore(step, changed, field="model" if in_train_state else None)
+            _, frozen = eqx.partition(frozen, mask)
+            model = eqx.combine(restored, frozen)
     if dtype is not None:
         name = jnp.dtype(dtype).name
-        model = model.cast(name).with_config(config.replace(param_dtype=name, dtype=name), allow=("param_dtype",))
+        cast_config = config.replace(param_dtype=name, dtype=name)
+        shape = eqx.filter_eval_shape(lambda: _with_lora(Transformer(cast_config, key=jax.random.key(0)), lora))
+        model = jax.tree.unflatten(jax.tree.structure(shape), jax.tree.leaves(model.cast(name)))
     return model, metadata
 
 
-def _model_fn(metadata: dict[str, Any], directory: Path):
-    """What builds the checkpoint's model: the config's, with the adapters its metadata records."""
+def load_base(base: BaseModel, config: ModelConfig) -> Transformer:
+    """The base model's weights in ``config``'s parameter dtype (adapters of an eqmoe base merged), carrying
+    ``config`` (the run's execution settings); ``ValueError`` when its architecture is not ``config``'s."""
+    if base.format == "hf":
+        from eqmoe.checkpoints import hf
+
+        model = hf.load(base.path, dtype=config.param_dtype)
+    else:
+        from eqmoe.lora import merge_lora
+
+        model = merge_lora(load_model(base.path, step=base.step, dtype=config.param_dtype)[0])
+    try:
+        return model.with_config(config, allow=("param_dtype",))
+    except ValueError as error:
+        raise ValueError(f"{base.path}: not the checkpoint's base model ({error})") from None
+
+
+def changed_part(model: Transformer, trained) -> Transformer:
+    """``model`` with ``None`` for every parameter training leaves as it was (frozen or, under LoRA, the base
+    weights): what a checkpoint of a run with a base folder stores. ``trained(role)`` says what the optimizer
+    updates; router biases move outside the optimizer and are kept."""
+    spec = jax.tree.map(
+        lambda info: isinstance(info, ParamInfo) and (info.role is Role.ROUTER_BIAS or trained(info.role)),
+        param_info(model),
+        is_leaf=lambda x: isinstance(x, ParamInfo),
+    )
+    return eqx.filter(model, spec)
+
+
+def saved_mask(tree: Any, saved_paths: set[str], prefix: str = "") -> Any:
+    """``True`` for every leaf of ``tree`` whose path (``prefix`` + ``jax.tree_util.keystr``) a checkpoint
+    holds."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: prefix + jax.tree_util.keystr(path) in saved_paths, tree)
+
+
+def _lora_config(metadata: dict[str, Any], directory: Path):
+    """The checkpoint's recorded :class:`eqmoe.lora.LoRAConfig`, or None."""
     lora = metadata.get("lora")
     if lora is None:
-        return lambda config: Transformer(config, key=jax.random.key(0))
-    from eqmoe.lora import LoRAConfig, add_lora
+        return None
+    from eqmoe.lora import LoRAConfig
 
     try:
-        lora_config = LoRAConfig(**{**lora, "targets": tuple(lora["targets"])})
+        return LoRAConfig(**{**lora, "targets": tuple(lora["targets"])})
     except (TypeError, KeyError, ValueError) as error:
         raise ValueError(f"{directory}: the checkpoint's LoRA settings are invalid ({error})") from None
-    return lambda config: add_lora(Transformer(config, key=jax.random.key(0)), lora_config, key=jax.random.key(0))
+
+
+def _with_lora(model: Transformer, lora) -> Transformer:
+    """``model`` with (fresh) adapters for ``lora``: the tree shape the checkpoint's values are read into."""
+    if lora is None:
+        return model
+    from eqmoe.lora import add_lora
+
+    return add_lora(model, lora, key=jax.random.key(0))

@@ -10,7 +10,6 @@ inputs maps those files and starts at once. Files are written under a temporary 
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from jaxtyping import Bool, Int32, Int64
 
+from eqmoe.cache import cache_root
 from eqmoe.data.chat import encode_chats
 from eqmoe.data.formats import Item, read_conversations
 from eqmoe.data.records import content_digest, count_bytes
@@ -32,8 +32,7 @@ _BATCH = 256
 
 def default_cache_dir() -> Path:
     """``$EQMOE_CACHE``, else ``$XDG_CACHE_HOME/eqmoe``, else ``~/.cache/eqmoe``; tokenised data in ``tokenized/``."""
-    root = os.environ.get("EQMOE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eqmoe"
-    return Path(root) / "tokenized"
+    return cache_root() / "tokenized"
 
 
 class TokenizedFile(NamedTuple):

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from eqmoe import parallel
+from eqmoe.checkpoints.model_checkpoint import changed_part, saved_mask
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.config_io import architecture_differences, config_from_dict, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
@@ -96,6 +97,24 @@ def train(
         return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism)
 
 
+def _leaf_paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _check_same_base(stored: dict | None, now: dict | None, out_dir: Path) -> None:
+    """A resumed run must start from the base model its checkpoints were trained on."""
+    if stored is None or (now is not None and now.get("sha256") == stored.get("sha256")):
+        return
+    if now is None:
+        raise ValueError(
+            f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.get('path')}; start from it"
+        )
+    raise ValueError(
+        f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.get('path')} "
+        f"(content sha256 {str(stored.get('sha256'))[:16]}), not on {now.get('path')} ({str(now.get('sha256'))[:16]})"
+    )
+
+
 def _int(value) -> int:
     return int(parallel.to_host(value))
 
@@ -123,10 +142,16 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
                 f"--resume: the checkpoint in {out_dir} has a different architecture: "
                 + format_differences(differences, "checkpoint", "now")
             )
+        _check_same_base(checkpointer.metadata(latest).get("base"), metadata.get("base"), out_dir)
         target = abstract_state(lambda: model, optimizer, key=key)
         if parallelism is not None:
             target = parallel.abstract_sharded(target, parallelism)
-        state, _ = checkpointer.restore(latest, target)
+        # Leaves a checkpoint of a run with a base folder leaves out (frozen weights) come from the base.
+        saved = set(checkpointer.leaf_paths(latest))
+        mask = saved_mask(target, saved | {p for p in _leaf_paths(target) if not p.startswith(".model.")})
+        state, _ = checkpointer.restore(latest, eqx.filter(target, mask))
+        _, frozen = eqx.partition(parallel.shard(model, parallelism), mask.model)
+        state = eqx.tree_at(lambda s: s.model, state, eqx.combine(state.model, frozen))
         assert state.model.config == config, "the restored model must carry the new config"
         print(f"resumed from step {latest}", file=sys.stderr)
     else:
@@ -141,6 +166,8 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     def save(state: TrainState) -> None:
         step = _int(state.step)
         stored = {"step": step, "data_step": _int(state.data_step), "seed": options.seed}
+        if metadata.get("base") is not None:  # the rest is the base's: only what training changes is saved
+            state = eqx.tree_at(lambda s: s.model, state, changed_part(state.model, trained))
         checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
 
     shard = (jax.process_index(), jax.process_count())

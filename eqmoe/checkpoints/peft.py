@@ -1,0 +1,138 @@
+"""LoRA adapters as a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) that
+``peft.PeftModel.from_pretrained`` puts on the transformers model of the base folder.
+
+Attention q/k/v/o are PEFT ``target_modules`` with the usual ``<module>.lora_A.weight [r, in]`` /
+``lora_B.weight [out, r]``. Everything else is a ``target_parameters`` entry (PEFT's adapters on
+``nn.Parameter``s; same two tensors for a matrix): PEFT rewrites ``gate_proj``/``up_proj``/``down_proj`` module
+targets of MoE models into fused-expert targets, which would drop a dense layer's FFN adapters, and the router is
+not an ``nn.Linear`` in transformers. transformers holds a layer's experts fused as
+``experts.gate_up_proj [experts, 2 * expert_dim, embed]`` and ``experts.down_proj [experts, embed, expert_dim]``,
+and PEFT keeps one adapter per expert inside one pair of matrices (``lora_A [experts * r, in]``, row
+``e * r + k``; ``lora_B [out, r * experts]``, column ``k * experts + e``). eqmoe's separate gate and up
+adapters become one adapter of rank ``2r`` on the fused matrix (the two stacked, block-diagonal in ``B``), the
+same update exactly; ``rank_pattern``/``alpha_pattern`` keep its scale ``alpha / r``. PEFT nests the wrappers
+of two parameters of one module: the first parameter (``gate_up_proj``) sits under ``base_layer``.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from eqmoe.checkpoints._staging import staged_folder
+from eqmoe.checkpoints.hf import _checkpoint_names, _get
+from eqmoe.lora import adapter_member
+from eqmoe.model import Transformer
+from eqmoe.nn.attention import Attention
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+_PREFIX = "base_model.model."
+
+
+def _factors(a: np.ndarray, b: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(lora_A [r, in], lora_B [out, r])`` of one matrix from eqmoe's ``a [*in, r]``, ``b [r, *out]``."""
+    rank = a.shape[-1]
+    assert a.ndim == in_dims + 1
+    return a.reshape(-1, rank).T, b.reshape(rank, -1).T
+
+
+def _expert_factors(pieces: list[tuple[np.ndarray, np.ndarray, int, int]], out: int) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's per-expert factors of one fused parameter from eqmoe's ``(a [E, in, r], b [E, r, rows], first
+    output row, rows)`` pieces: ranks stacked, each piece's ``B`` on its own output rows."""
+    experts = pieces[0][0].shape[0]
+    rank = sum(a.shape[-1] for a, _, _, _ in pieces)
+    lora_a = np.concatenate([np.swapaxes(a, 1, 2) for a, _, _, _ in pieces], axis=1)  # [E, R, in]
+    lora_b = np.zeros((experts, rank, out), pieces[0][1].dtype)  # [E, R, out]
+    k = 0
+    for a, b, first, rows in pieces:
+        lora_b[:, k : k + a.shape[-1], first : first + rows] = b
+        k += a.shape[-1]
+    return lora_a.reshape(experts * rank, -1), np.transpose(lora_b, (2, 1, 0)).reshape(out, rank * experts)
+
+
+def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
+    """``(tensors, adapter_config fields)`` of every adapter of ``model`` in PEFT's names."""
+    tensors: dict[str, np.ndarray] = {}
+    modules, parameters, patterns = set(), set(), {}
+    scale = rank = None
+    experts: dict[tuple, dict] = {}
+    for name in _checkpoint_names(model.config):
+        layer = _get(model, name.path[:-1])
+        adapters = getattr(layer, "lora", None)
+        member = adapter_member(layer, name.path[-1])
+        if adapters is None or member is None or getattr(adapters, member + "a") is None:
+            continue
+        a, b = getattr(adapters, member + "a"), getattr(adapters, member + "b")
+        rank, scale = a.shape[-1], adapters.scale
+        if len(name.index) == 1:  # one matrix per layer
+            module = name.key.removesuffix(".weight")
+            lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
+            tensors[f"{_PREFIX}{module}.lora_A.weight"] = lora_a
+            tensors[f"{_PREFIX}{module}.lora_B.weight"] = lora_b
+            if isinstance(layer, Attention):
+                modules.add(module.rsplit(".", 1)[-1])
+            else:  # PEFT renames listed gate/up/down_proj modules of MoE models to fused-expert targets
+                parameters.add(".".join(module.split(".")[-2:]) + ".weight")
+        elif name.index[1] == 0:  # routed experts: the whole stack at the first expert's name
+            module = name.key.split(".experts.")[0] + ".experts"
+            slot = experts.setdefault((module, name.path[:-1], name.index[0]), {})
+            slot[member] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]))
+    for (module, _, _), members in experts.items():
+        fused = [(m, i) for i, m in enumerate(("gate_", "up_")) if m in members]
+        wrapped = []
+        if fused:
+            expert_dim = members[fused[0][0]][1].shape[-1]
+            pieces = [(*members[m], i * expert_dim, expert_dim) for m, i in fused]
+            wrapped.append(("gate_up_proj", _expert_factors(pieces, 2 * expert_dim)))
+        if "down_" in members:
+            a, b = members["down_"]
+            wrapped.append(("down_proj", _expert_factors([(a, b, 0, b.shape[-1])], b.shape[-1])))
+        for depth, (parameter, (lora_a, lora_b)) in enumerate(wrapped):
+            nesting = ".base_layer" * (len(wrapped) - 1 - depth)
+            tensors[f"{_PREFIX}{module}{nesting}.lora_A.weight"] = lora_a
+            tensors[f"{_PREFIX}{module}{nesting}.lora_B.weight"] = lora_b
+            parameters.add(f"experts.{parameter}")
+            fused_rank = lora_a.shape[0] // next(iter(members.values()))[0].shape[0]
+            if fused_rank != rank:
+                patterns[rf".*\.{parameter}"] = fused_rank
+    if rank is None:
+        raise ValueError("the model has no LoRA adapters to write")
+    fields = {
+        "r": rank,
+        "lora_alpha": scale * rank,
+        "rank_pattern": patterns,
+        "alpha_pattern": {key: scale * value for key, value in patterns.items()},
+        "target_modules": sorted(modules) or None,
+        "target_parameters": sorted(parameters) or None,
+    }
+    return tensors, fields
+
+
+def save_adapters(
+    model: Transformer, folder: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False
+) -> Path:
+    """Write ``model``'s adapters as a PEFT adapter folder (float32); ``base_model`` is recorded as
+    ``base_model_name_or_path``. Assembled under a temporary name and renamed into place."""
+    tensors, fields = adapter_state(model)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        **fields,
+    }
+    folder = Path(folder)
+    with staged_folder(folder, overwrite=overwrite) as staging:
+        arrays = {key: np.ascontiguousarray(value, np.float32) for key, value in tensors.items()}
+        save_file(arrays, staging / ADAPTER_FILE, metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
