@@ -234,3 +234,46 @@ def test_frozen_roles_keep_no_state_and_do_not_change():
         assert changed == (info.role.trained and info.role not in frozen), info
     with pytest.raises(ValueError, match="'routers?x' is not a role"):
         OptimizerConfig(freeze=("routerx",))
+
+
+def _sizes(model) -> tuple[int, int]:
+    """(adapter numbers, base numbers) of ``model``."""
+    arrays = eqx.filter(model, lambda x: isinstance(x, jax.Array | jax.ShapeDtypeStruct))
+    infos = jax.tree.leaves(param_info(arrays), is_leaf=lambda x: hasattr(x, "role"))
+    sizes = [(info.role is Role.ADAPTER, leaf.size) for info, leaf in zip(infos, jax.tree.leaves(arrays), strict=True)]
+    return sum(n for is_adapter, n in sizes if is_adapter), sum(n for is_adapter, n in sizes if not is_adapter)
+
+
+def test_rank_8_adapters_are_under_five_percent_of_the_model(tmp_path):
+    pytest.importorskip("torch")
+    from eqmoe.checkpoints import hf
+    from eqmoe.checkpoints.peft import ADAPTER_FILE, save_adapters
+    from tests.conftest import save_tiny_hf
+
+    lora = LoRAConfig(rank=8, alpha=16.0, targets=("attention", "experts"))
+    # Qwen3-30B-A3B: the adapters, and the adapters with their two Adam moments (what a LoRA run's checkpoint holds).
+    shapes = eqx.filter_eval_shape(
+        lambda: add_lora(Transformer(presets.get("qwen3-30b-a3b"), key=jax.random.key(0)), lora, key=jax.random.key(1))
+    )
+    adapters, base = _sizes(shapes)
+    assert base == 30_532_122_624  # REFERENCE.md
+    assert 3 * adapters < 0.05 * base, (adapters, base)
+    print(f"qwen3-30b-a3b rank 8: {adapters:,} adapter parameters, {adapters / base:.2%} of the model")
+    # Measured on disk for a model with Qwen3's proportions (the experts' matrices dominate).
+    save_tiny_hf(
+        tmp_path / "hf",
+        vocab_size=1024,
+        hidden_size=512,
+        moe_intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=8,
+    )
+    model = add_lora(hf.load(tmp_path / "hf"), lora, key=jax.random.key(1))
+    save_adapters(model, tmp_path / "adapters")
+    adapter_bytes = (tmp_path / "adapters" / ADAPTER_FILE).stat().st_size
+    model_bytes = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert adapter_bytes < 0.05 * model_bytes, (adapter_bytes, model_bytes)
+    print(f"PEFT folder {adapter_bytes:,} bytes, {adapter_bytes / model_bytes:.2%} of the model's {model_bytes:,}")
