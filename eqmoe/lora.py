@@ -161,6 +161,20 @@ def _map_targets(model, function: Callable):
     return jax.tree.map(lambda node: function(node) if _is_target(node) else node, model, is_leaf=_is_target)
 
 
+def split_adapters(model) -> tuple:
+    """``(model without adapters, the adapters of each targeted layer in order)``: undone by :func:`put_adapters`."""
+    adapters = [layer.lora for layer in _target_layers(model)]
+    bare = _map_targets(model, lambda layer: eqx.tree_at(lambda x: x.lora, layer, None, is_leaf=lambda x: x is None))
+    return bare, adapters
+
+
+def put_adapters(model, adapters: list):
+    """``model`` (without adapters, the architecture :func:`split_adapters` took them from) with ``adapters``."""
+    return eqx.tree_at(
+        lambda m: [layer.lora for layer in _target_layers(m)], model, adapters, is_leaf=lambda x: x is None
+    )
+
+
 def has_lora(model) -> bool:
     """Whether any layer of ``model`` carries adapters."""
     return any(getattr(layer, "lora", None) is not None for layer in _target_layers(model))

@@ -168,6 +168,11 @@ class Transformer(Layer):
         that may differ too, for callers that change them on purpose (``dropless`` drops the capacity;
         a loader that has cast the parameters sets ``param_dtype``); the parameter shapes must still
         match. Parameters are not cast. A ``ValueError`` names every other differing field."""
+        from eqmoe import lora  # adapters ride along: the new config describes the layers they sit beside
+
+        if lora.has_lora(self):
+            bare, adapters = lora.split_adapters(self)
+            return lora.put_adapters(bare.with_config(config, allow=allow), adapters)
         differences = [d for d in architecture_differences(self.config, config) if d[0] not in allow]
         if differences:
             raise ValueError(f"with_config: another architecture: {format_differences(differences, 'model', 'new')}")

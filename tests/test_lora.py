@@ -236,6 +236,26 @@ def test_frozen_roles_keep_no_state_and_do_not_change():
         OptimizerConfig(freeze=("routerx",))
 
 
+def test_a_frozen_base_held_in_bfloat16_trains_the_same_numbers():
+    from eqmoe.train.optimizer import OptimizerConfig, trained_roles
+    from eqmoe.train.state import hold_frozen
+
+    _, adapted = _adapted()
+    adapted = adapted.with_config(adapted.config.replace(dtype="bfloat16"))
+    config = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
+    held = hold_frozen(adapted, trained_roles(config, eqx.filter(adapted, eqx.is_array)))
+    dtypes = {(info.role is Role.ADAPTER, leaf.dtype) for info, leaf in _by_role(held)}
+    assert dtypes == {
+        (True, jnp.dtype("float32")),
+        (False, jnp.dtype("bfloat16")),
+    }  # the base in the compute dtype, adapters not
+    state_fp32, losses_fp32 = _train(adapted, config, steps=4)
+    state_held, losses_held = _train(held, config, steps=4)
+    assert losses_held == losses_fp32  # every forward pass casts to bfloat16 first: the same numbers
+    for (info, a), (_, b) in zip(_by_role(state_fp32.model), _by_role(state_held.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(b.dtype), np.float32), np.asarray(b, np.float32), str(info))
+
+
 def _sizes(model) -> tuple[int, int]:
     """(adapter numbers, base numbers) of ``model``."""
     arrays = eqx.filter(model, lambda x: isinstance(x, jax.Array | jax.ShapeDtypeStruct))

@@ -7,7 +7,8 @@ analyses. :func:`estimate` computes the same quantities from the config alone.
 Analytic model, per device (``b = batch / (data * fsdp * expert)`` rows of ``T`` tokens; ``c`` compute-dtype
 bytes; widths already divided by their mesh axes as the sharding rules split them):
 
-- parameters ``P_local * 4`` (float32 storage; ``P_local`` from each leaf's local shard shape);
+- parameters ``P_local * 4`` (float32 storage; ``P_local`` from each leaf's local shard shape; parameters the step
+  never updates, frozen or a LoRA base, are held in the compute dtype: ``c`` bytes each);
 - optimizer state ``2 * P_local * 4`` (Adam's two moments);
 - gradients and the optimizer's update ``2 * P_local * 4``;
 - activations kept for the backward pass, per layer and token (``remat="none"``):
@@ -44,7 +45,7 @@ from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
 from eqmoe.nn._params import param_infos
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
-from eqmoe.train.state import abstract_state
+from eqmoe.train.state import abstract_state, hold_frozen
 from eqmoe.train.step import Batch, train_step_fn
 
 
@@ -98,7 +99,9 @@ def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int
     training = training or Training()
     model = eqx.filter_eval_shape(_model_fn(config, training.lora))
     optimizer, schedule = make_optimizer(training.optimizer, model, embed_dim=config.embed_dim)
-    state = abstract_state(_model_fn(config, training.lora), optimizer, key=jax.random.key(1))
+    trained = trained_roles(training.optimizer, model)
+    held = lambda: hold_frozen(_model_fn(config, training.lora)(), trained)  # noqa: E731
+    state = abstract_state(held, optimizer, key=jax.random.key(1))
     state = parallel.abstract_sharded(state, p)
     rows = p.sharding(("batch", "seq"), (batch, seq))
     dtypes = (jnp.int32, jnp.int32, jnp.int32, jnp.bool_)
@@ -115,7 +118,7 @@ def estimate(
     training = training or Training()
     state, _, _, _ = _abstract(config, p, batch, seq, training)
     leaves = [x for x in jax.tree.leaves(state.model) if isinstance(x, jax.ShapeDtypeStruct)]
-    params = sum(_local_size(x) for x in leaves)
+    params = sum(_local_size(x) * x.dtype.itemsize for x in leaves)  # frozen ones in the compute dtype
     is_trained = trained_roles(training.optimizer, state.model)
     infos = param_infos(state.model)
     trained = sum(_local_size(x) for x, info in zip(leaves, infos, strict=True) if is_trained(info.role))
@@ -148,12 +151,12 @@ def estimate(
         tile = min(attn.block_size, seq)
         activations += tokens * 4 * heads * hd + 4 * rows * heads * tile * tile
     return Memory(
-        parameters=4 * params,
+        parameters=params,
         optimizer=2 * 4 * trained,
         gradients=2 * 4 * trained,  # the gradients and the optimizer's update of the trained parameters
         activations=float(activations),
         batch=float(13 * tokens),  # three int32 arrays and a bool mask
-        output=4 * params + 2 * 4 * trained,
+        output=params + 2 * 4 * trained,
     )
 
 

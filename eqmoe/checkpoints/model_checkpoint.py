@@ -78,11 +78,13 @@ def load_model(
             config = config_from_dict(metadata["config"])
         except (TypeError, ValueError) as error:
             raise ValueError(f"{directory}: the checkpoint's model config is invalid ({error})") from None
-        saved_paths = checkpointer.leaf_paths(step)
+        layout = checkpointer.layout(step)
+        saved_paths = list(layout)
         in_train_state = any(path.startswith(".model.") for path in saved_paths)
         prefix = ".model" if in_train_state else ""
         lora = _lora_config(metadata, directory)
         abstract = eqx.filter_eval_shape(lambda: _with_lora(Transformer(config, key=jax.random.key(0)), lora))
+        abstract = in_saved_dtypes(abstract, layout, prefix)
         if metadata.get("base") is None:
             model, _ = checkpointer.restore(step, abstract, field="model" if in_train_state else None)
         else:
@@ -96,9 +98,7 @@ def load_model(
             model = eqx.combine(restored, frozen)
     if dtype is not None:
         name = jnp.dtype(dtype).name
-        cast_config = config.replace(param_dtype=name, dtype=name)
-        shape = eqx.filter_eval_shape(lambda: _with_lora(Transformer(cast_config, key=jax.random.key(0)), lora))
-        model = jax.tree.unflatten(jax.tree.structure(shape), jax.tree.leaves(model.cast(name)))
+        model = model.cast(name).with_config(config.replace(param_dtype=name, dtype=name), allow=("param_dtype",))
     return model, metadata
 
 
@@ -135,6 +135,19 @@ def saved_mask(tree: Any, saved_paths: set[str], prefix: str = "") -> Any:
     """``True`` for every leaf of ``tree`` whose path (``prefix`` + ``jax.tree_util.keystr``) a checkpoint
     holds."""
     return jax.tree_util.tree_map_with_path(lambda path, _: prefix + jax.tree_util.keystr(path) in saved_paths, tree)
+
+
+def in_saved_dtypes(tree: Any, layout: dict[str, tuple[list[int], str]], prefix: str = "") -> Any:
+    """``tree`` (abstract) with each floating leaf in the dtype the checkpoint holds it in: frozen parameters
+    are held in the compute dtype (:func:`eqmoe.train.state.hold_frozen`), which may have changed since."""
+
+    def saved(path, leaf):
+        entry = layout.get(prefix + jax.tree_util.keystr(path))
+        if entry is None or not isinstance(leaf, jax.ShapeDtypeStruct) or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(entry[1]), sharding=leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(saved, tree)
 
 
 def _lora_config(metadata: dict[str, Any], directory: Path):

@@ -173,6 +173,10 @@ class Checkpointer:
         """The ``jax.tree_util.keystr`` path of every array saved with ``step`` (None: the latest)."""
         return list(self._layout(self._finished_step(step)))
 
+    def layout(self, step: int | None = None) -> dict[str, tuple[list[int], str]]:
+        """``{path: (shape, dtype name)}`` of every array saved with ``step`` (None: the latest)."""
+        return {path: (shape, dtype) for path, (shape, dtype) in self._layout(self._finished_step(step)).items()}
+
     def _layout(self, step: int) -> dict[str, list]:
         layout = self._manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
         if layout.get("format") != LAYOUT_FORMAT:

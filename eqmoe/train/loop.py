@@ -18,14 +18,14 @@ import jax
 import numpy as np
 
 from eqmoe import parallel
-from eqmoe.checkpoints.model_checkpoint import changed_part, saved_mask
+from eqmoe.checkpoints.model_checkpoint import changed_part, in_saved_dtypes, saved_mask
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.config_io import architecture_differences, config_from_dict, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
-from eqmoe.train.state import TrainState, abstract_state, init_state
+from eqmoe.train.state import TrainState, abstract_state, hold_frozen, init_state
 from eqmoe.train.step import device_batch, make_train_step
 
 
@@ -125,6 +125,7 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     params = eqx.filter(model, eqx.is_array)
     optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
     trained = trained_roles(optimizer_config, params)
+    model = hold_frozen(model, trained)
     key = jax.random.key(options.seed + 1)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
     latest = checkpointer.latest_step() if options.resume else None
@@ -146,12 +147,13 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
         target = abstract_state(lambda: model, optimizer, key=key)
         if parallelism is not None:
             target = parallel.abstract_sharded(target, parallelism)
+        layout = checkpointer.layout(latest)
+        target = in_saved_dtypes(target, layout)
         # Leaves a checkpoint of a run with a base folder leaves out (frozen weights) come from the base.
-        saved = set(checkpointer.leaf_paths(latest))
-        mask = saved_mask(target, saved | {p for p in _leaf_paths(target) if not p.startswith(".model.")})
+        mask = saved_mask(target, set(layout) | {p for p in _leaf_paths(target) if not p.startswith(".model.")})
         state, _ = checkpointer.restore(latest, eqx.filter(target, mask))
         _, frozen = eqx.partition(parallel.shard(model, parallelism), mask.model)
-        state = eqx.tree_at(lambda s: s.model, state, eqx.combine(state.model, frozen))
+        state = eqx.tree_at(lambda s: s.model, state, hold_frozen(eqx.combine(state.model, frozen), trained))
         assert state.model.config == config, "the restored model must carry the new config"
         print(f"resumed from step {latest}", file=sys.stderr)
     else:

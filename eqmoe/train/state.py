@@ -1,5 +1,7 @@
 """The train state: everything a run needs to continue exactly where it stopped, as one pytree."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.model import Transformer
+from eqmoe.nn._params import ParamInfo, Role, param_info
 
 
 class TrainState(eqx.Module):
@@ -44,6 +47,22 @@ def abstract_state(model_fn, optimizer: optax.GradientTransformation, *, key: PR
     """The state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), built without allocating:
     the target of a checkpoint restore. ``model_fn()`` builds the model."""
     return eqx.filter_eval_shape(lambda: init_state(model_fn(), optimizer, key=key))
+
+
+def hold_frozen(model: Transformer, trained: Callable[[Role], bool]) -> Transformer:
+    """``model`` with every parameter the optimizer never updates (``trained(role)`` false: frozen roles, a LoRA
+    model's base weights) held in the compute dtype. Each forward pass casts all parameters to that dtype
+    first, so the numbers are the same and a bfloat16 run's frozen base takes half the memory. Router biases,
+    moved outside the optimizer, keep their dtype."""
+    target = jnp.dtype(model.config.dtype)
+
+    def hold(info, leaf):
+        frozen = isinstance(info, ParamInfo) and info.role not in (None, Role.ROUTER_BIAS) and not trained(info.role)
+        if frozen and eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != target:
+            return leaf.astype(target)
+        return leaf
+
+    return jax.tree.map(hold, param_info(model), model, is_leaf=lambda x: isinstance(x, ParamInfo))
 
 
 def param_count(state: TrainState) -> int:
