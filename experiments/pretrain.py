@@ -187,6 +187,7 @@ def run(args: Args) -> dict:
         evaluate=evaluate_model,
         metadata={},
         parallelism=parallelism,
+        arguments=dataclasses.asdict(args),
     )
     final = dict(result.final_eval)  # the per-layer statistics ("layers") are not in metrics.jsonl
     if jax.process_index() == 0:

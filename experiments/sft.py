@@ -317,6 +317,7 @@ def run(args: Args) -> dict:
             "base": None if base is None else base.to_json(),
         },
         parallelism=parallelism,
+        arguments=dataclasses.asdict(args),
     )
     model = result.state.model
     if jax.process_index() == 0:

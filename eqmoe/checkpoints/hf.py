@@ -21,6 +21,7 @@ from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.models.family import TensorName
+from eqmoe.progress import phase_bar
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -183,7 +184,7 @@ def load(
     for name in names:
         by_leaf.setdefault(name.path, []).append(name)
     arrays = {}
-    for path, leaf in leaves.items():
+    for path, leaf in phase_bar(leaves.items(), f"reading {folder.name}", total=len(leaves), unit="tensor"):
         buffer = host_buffer(leaf.shape, leaf.dtype)
         filled = 0
         for name in by_leaf.get(path, []):
@@ -252,7 +253,8 @@ def save(
             shards.append(list(pending))
             pending.clear()
 
-        for key, tensor in iter_tensors(model):
+        names = len(_checkpoint_names(model.config))
+        for key, tensor in phase_bar(iter_tensors(model), f"writing {folder.name}", total=names, unit="tensor"):
             tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
             if pending and pending_bytes + tensor.nbytes > limit:
                 flush()

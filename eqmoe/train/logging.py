@@ -5,7 +5,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -71,32 +70,32 @@ def _step_of(line: str) -> int | float:
 
 
 class Progress:
-    """A one-line progress display: step, loss, tokens/s, learning rate and ETA."""
+    """Training progress: a tqdm bar (step, loss, tokens/s, learning rate, ETA) on a terminal, a plain line per
+    logged step otherwise (CI logs)."""
 
     def __init__(self, total_steps: int, start_step: int = 0, *, enabled: bool = True):
-        self.total, self.start = total_steps, start_step
-        self.started = time.perf_counter()
-        self.live = sys.stderr.isatty() and enabled
-        self.enabled = enabled
+        self.total, self.enabled = total_steps, enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", file=sys.stderr)
 
     def update(self, step: int, loss: float, tokens_per_second: float, learning_rate: float) -> None:
         if not self.enabled:
             return
-        done = step - self.start
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / max(done, 1) * (self.total - step)
-        width = 24
-        filled = int(width * step / max(self.total, 1))
-        bar = "#" * filled + "." * (width - filled)
-        line = (
-            f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  "
-            f"lr {learning_rate:.2e}  ETA {eta:5.0f}s"
+        if self.bar is None:
+            line = f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  lr {learning_rate:.2e}"
+            print(line, file=sys.stderr, flush=True)
+            return
+        self.bar.set_postfix_str(
+            f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  lr {learning_rate:.2e}", refresh=False
         )
-        print(("\r" + line) if self.live else line, end="" if self.live else "\n", file=sys.stderr, flush=True)
+        self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
-        if self.live:
-            print(file=sys.stderr)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def plot_metrics(records: list[dict], path: Path) -> None:

@@ -5,11 +5,10 @@ checkpointed ``data_step``, so a run stopped anywhere and resumed from its last 
 exactly the steps an uninterrupted run takes.
 """
 
-import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,10 +22,11 @@ from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.config_io import architecture_differences, config_from_dict, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
-from eqmoe.train.logging import MetricsLog, Progress
+from eqmoe.train.logging import MetricsLog, Progress, plot_metrics
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import TrainState, abstract_state, hold_frozen, init_state
 from eqmoe.train.step import device_batch, make_train_step
+from eqmoe.train.tracking import TrackerName, Trackers, start_trackers
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ class RunOptions:
     """Write a metrics.jsonl line and update the progress display every N steps."""
     seed: int = 0
     """Seed for the parameters, the built-in data and the data order."""
+    tracker: tuple[TrackerName, ...] = ("jsonl",)
+    """Where metrics go besides metrics.jsonl (always written): tensorboard (event files in OUT_DIR/tensorboard),
+    wandb (W&B; WANDB_MODE=offline works without a network)."""
+    wandb_project: str = "eqmoe"
+    """W&B project of --tracker wandb."""
 
     def check(self) -> None:
         """A ``ValueError`` naming the first option that is not a positive number."""
@@ -75,6 +80,7 @@ def train(
     evaluate: Callable[[Transformer], dict[str, float]],
     metadata: dict,
     parallelism: parallel.Parallelism | None = None,
+    arguments: dict | None = None,
 ) -> TrainResult:
     """Train ``model`` for ``options.steps`` steps (from the latest checkpoint with ``options.resume``).
 
@@ -85,6 +91,8 @@ def train(
     - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
       at the end (called with ``parallelism`` active); the last one is also returned as ``final_eval``.
     - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
+    - ``arguments``: the experiment's command-line arguments, for the trackers' run config (with the model,
+      optimizer and run options).
     - ``parallelism``: a device mesh (:mod:`eqmoe.parallel`); the model, optimizer state and batches are
       sharded by its rules and checkpoints restore onto it whatever mesh saved them.
 
@@ -94,7 +102,7 @@ def train(
     weights) apply from the resumed step on.
     """
     with parallel.activate(parallelism):
-        return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism)
+        return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments)
 
 
 def _leaf_paths(tree) -> list[str]:
@@ -119,7 +127,9 @@ def _int(value) -> int:
     return int(parallel.to_host(value))
 
 
-def _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism) -> TrainResult:
+def _train(
+    model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments
+) -> TrainResult:
     options.check()
     config, out_dir = model.config, options.out_dir
     params = eqx.filter(model, eqx.is_array)
@@ -162,36 +172,86 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
     start = _int(state.step)
     primary = jax.process_index() == 0
     resumed_at = start if latest is not None else None
+    run_config = {"model": config_to_dict(config), "optimizer": asdict(optimizer_config), "run": asdict(options)}
+    run_config.update(arguments=arguments or {}, metadata=metadata)
+    try:
+        trackers = Trackers([])
+        if primary:
+            trackers = start_trackers(
+                options.tracker, out_dir, run_config, resumed_at=resumed_at, wandb_project=options.wandb_project
+            )
+    except ValueError:
+        checkpointer.close()
+        raise
     metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=resumed_at, primary=primary)
-    train_step = make_train_step(optimizer, schedule, trained)
+    try:
+        return _steps(
+            state,
+            start,
+            options,
+            dataset,
+            batch_size,
+            evaluate,
+            metrics,
+            trackers,
+            checkpointer,
+            parallelism,
+            make_train_step(optimizer, schedule, trained),
+            save=lambda state: _save(state, checkpointer, options, config, metadata, trained),
+        )
+    finally:
+        trackers.close()
+        checkpointer.close()
 
-    def save(state: TrainState) -> None:
-        step = _int(state.step)
-        stored = {"step": step, "data_step": _int(state.data_step), "seed": options.seed}
-        if metadata.get("base") is not None:  # the rest is the base's: only what training changes is saved
-            state = eqx.tree_at(lambda s: s.model, state, changed_part(state.model, trained))
-        checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
 
+def _save(state: TrainState, checkpointer: Checkpointer, options: RunOptions, config, metadata: dict, trained) -> None:
+    step = _int(state.step)
+    stored = {"step": step, "data_step": _int(state.data_step), "seed": options.seed}
+    if metadata.get("base") is not None:  # the rest is the base's: only what training changes is saved
+        state = eqx.tree_at(lambda s: s.model, state, changed_part(state.model, trained))
+    checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
+
+
+def _host_terms(terms: dict) -> dict[str, float | list[float]]:
+    """Numbers for metrics.jsonl: scalars as floats, per-layer values as lists."""
+    terms = parallel.to_host(terms)
+    return {name: float(v) if np.ndim(v) == 0 else [float(x) for x in np.ravel(v)] for name, v in terms.items()}
+
+
+def _log(metrics: MetricsLog, trackers: Trackers, record: dict) -> None:
+    metrics.write(record)
+    trackers.record(record)
+
+
+def _log_eval(metrics: MetricsLog, trackers: Trackers, record: dict, out_dir: Path) -> None:
+    _log(metrics, trackers, record)
+    if trackers.names:  # the run's plots, as they stand at this evaluation
+        plot_metrics(metrics.records(), out_dir / "metrics.png")
+        trackers.image(int(record["step"]), "metrics", out_dir / "metrics.png")
+
+
+def _steps(
+    state, start, options, dataset, batch_size, evaluate, metrics, trackers, checkpointer, parallelism, train_step, save
+) -> TrainResult:
     shard = (jax.process_index(), jax.process_count())
-    progress = Progress(options.steps, start, enabled=primary)
+    progress = Progress(options.steps, start, enabled=jax.process_index() == 0)
     window_tokens, window_start, compile_seconds = 0.0, time.perf_counter(), None
-    last_terms: dict[str, float] = {}
+    last_terms: dict = {}
     throughput = []
     for step in range(start, options.steps):
         rows = dataset.batch_at(_int(state.data_step), batch_size, options.seed, shard=shard)
         tokens = float(np.sum(rows.segment_ids > 0)) * shard[1]
         started = time.perf_counter()
         state, terms = train_step(device_batch(rows, parallelism), state)
-        terms = parallel.to_host(terms)
-        loss = float(terms["loss"])
+        terms = _host_terms(terms)
         if compile_seconds is None:
             compile_seconds = time.perf_counter() - started
             window_start = time.perf_counter()
         else:
             window_tokens += tokens
-        bad = [name for name, value in terms.items() if not math.isfinite(float(value))]
+        bad = [name for name, value in terms.items() if not np.all(np.isfinite(value))]
         if bad:
-            checkpointer.close()
+            progress.close()
             raise FloatingPointError(
                 f"step {step + 1}: non-finite {', '.join(bad)}; stopped, the last good checkpoint "
                 f"is step {checkpointer.latest_step()}"
@@ -199,21 +259,20 @@ def _train(model, optimizer_config, options, dataset, batch_size, evaluate, meta
         done = step + 1
         if done % options.log_every == 0 or done == options.steps:
             elapsed = max(time.perf_counter() - window_start, 1e-9)
-            last_terms = {name: float(value) for name, value in terms.items()}
+            last_terms = terms
             tokens_per_second = window_tokens / elapsed
             if window_tokens:
                 throughput.append(tokens_per_second)
-            metrics.write({"step": done, **last_terms, "tokens_per_second": tokens_per_second})
-            progress.update(done, loss, tokens_per_second, last_terms["learning_rate"])
+            _log(metrics, trackers, {"step": done, **last_terms, "tokens_per_second": tokens_per_second})
+            progress.update(done, terms["loss"], tokens_per_second, last_terms["learning_rate"])
         if done % options.eval_every == 0 and done != options.steps:
-            metrics.write({"step": done, **evaluate(state.model)})
+            _log_eval(metrics, trackers, {"step": done, **evaluate(state.model)}, options.out_dir)
         if done % options.checkpoint_every == 0 or done == options.steps:
             save(state)
     progress.close()
-    checkpointer.close()
     final_eval = evaluate(state.model)
     already = any(r.get("step") == options.steps and final_eval.keys() <= r.keys() for r in metrics.records())
     if not already:  # a resumed run that had already finished has written its final evaluation
-        metrics.write({"step": options.steps, **final_eval})
+        _log_eval(metrics, trackers, {"step": options.steps, **final_eval}, options.out_dir)
     median = float(np.median(throughput)) if throughput else None
     return TrainResult(state, metrics, last_terms, final_eval, median, compile_seconds)

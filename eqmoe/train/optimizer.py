@@ -181,12 +181,12 @@ def make_optimizer(
     """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
     _check_declared(params)
     schedule = learning_rate_schedule(config)
-    decay_mask = _mask(params, lambda role: decays(config, role))
+    decay_mask = lambda tree: _mask(tree, lambda role: decays(config, role))  # noqa: E731
     steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
     steps.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
     if config.mup_base_dim is not None:
         factor = min(config.mup_base_dim / embed_dim, 1.0)
-        steps.append(optax.masked(optax.scale(factor), _mask(params, lambda role: role.hidden_matrix)))
+        steps.append(optax.masked(optax.scale(factor), lambda tree: _mask(tree, lambda role: role.hidden_matrix)))
     if config.decay_scaled_by_schedule:
         steps.append(optax.scale_by_learning_rate(schedule))
         decay = _decay_scaled_by_schedule(config.weight_decay, schedule, config.learning_rate)
@@ -196,15 +196,23 @@ def make_optimizer(
         steps.append(optax.scale_by_learning_rate(schedule))
     optimizer = optax.chain(*steps)
 
-    is_trained = trained_roles(config, params)
+    return _trained_only(optimizer, trained_roles(config, params)), schedule
 
-    def labels(tree):  # a function: optax would call a model-shaped label tree (equinox modules are callable)
-        trained = _mask(tree, is_trained)
-        return jax.tree.map(lambda is_trained: "trained" if is_trained else "state", trained)
 
-    if "state" in jax.tree.leaves(labels(params)):
-        optimizer = optax.multi_transform({"trained": optimizer, "state": optax.set_to_zero()}, labels)
-    return optimizer, schedule
+def _trained_only(inner: optax.GradientTransformation, is_trained: Callable[[Role], bool]):
+    """``inner`` on the trained parameters alone: it keeps no state for the others and returns ``None`` updates
+    for them, which ``eqx.apply_updates`` skips (their gradients, ``None`` or zeros, are ignored)."""
+
+    def trained(tree):
+        return eqx.filter(tree, _mask(tree, is_trained))
+
+    def init(params):
+        return inner.init(trained(params))
+
+    def update(updates, state, params=None):
+        return inner.update(trained(updates), state, None if params is None else trained(params))
+
+    return optax.GradientTransformation(init, update)
 
 
 def model_params(model: eqx.Module):

@@ -15,6 +15,7 @@ from eqmoe.losses import objective
 from eqmoe.model import Transformer
 from eqmoe.nn._params import ParamInfo, Role, param_info
 from eqmoe.nn.router import RouterStats
+from eqmoe.progress import phase_bar
 from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
 
@@ -52,7 +53,7 @@ def held_out_batches(rows: packing.PackedRows, batch_size: int) -> Iterator[tupl
     ``index`` are the rows taken and ``real`` is false for the all-padding rows that fill the last batch
     (padding has no targets, so token-weighted sums are exact). Replicated on the current mesh."""
     count = len(rows.tokens)
-    for start in range(0, count, batch_size):
+    for start in phase_bar(range(0, count, batch_size), "evaluating", unit="batch"):
         index = np.arange(start, start + batch_size) % count
         real = np.arange(batch_size) + start < count
         chunk = packing.PackedRows(*(np.where(real[:, None], np.asarray(array)[index], 0) for array in rows))
@@ -73,6 +74,13 @@ def batch_loss(
         terms["load_cv"] = jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
         terms["load_max_over_mean"] = jnp.mean(jnp.max(load, -1) * load.shape[-1])  # 1 = perfectly balanced
         terms["router_entropy"] = jnp.mean(output.aux.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
+        # Per MoE layer (lists in metrics.jsonl, one tracker scalar per layer): a dead or hot expert in one
+        # layer is hidden by the means above.
+        shares = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1e-9) * load.shape[-1]
+        terms["load_cv_by_layer"] = jnp.std(shares, axis=-1)
+        terms["load_max_minus_min_by_layer"] = jnp.max(shares, -1) - jnp.min(shares, -1)  # in uniform shares
+        terms["dropped_fraction_by_layer"] = output.aux.dropped_fraction
+        terms["router_entropy_by_layer"] = output.aux.entropy / jnp.log(max(load.shape[-1], 2))
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
     return loss, (terms, None if output.aux is None else output.aux.expert_counts)
 
@@ -109,14 +117,13 @@ def train_step_fn(
 
     ``trained`` (``eqmoe.train.optimizer.trained_roles``) says which roles are differentiated: the others
     (frozen roles, the base weights of a LoRA model) are constants of the loss, so no gradient of theirs is
-    computed, and the optimizer, which keeps no state for them, leaves them bit-identical."""
+    computed, and the optimizer, which keeps no state for them, gives them no update: they are the same buffers."""
     trained = trained or (lambda role: role.trained)
 
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         differentiated, constant = _trained_part(state.model, trained)
         loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch)  # noqa: E731
         (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
-        grads = eqx.combine(grads, jax.tree.map(jnp.zeros_like, constant))  # zeros the optimizer drops
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
