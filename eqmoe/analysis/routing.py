@@ -2,7 +2,9 @@
 much the expert choice says about the data's domain.
 
 Everything here works on :class:`eqmoe.nn.router.RouterStats` (summed over any number of batches with
-:func:`accumulate`) or on a joint count table of domains and experts, as plain NumPy.
+:func:`accumulate`) or on a joint count table of domains and experts, as plain NumPy. The analyses that need
+each token's own choice (co-activation, cross-layer agreement, vocabulary specialisation, router traces) are
+in :mod:`eqmoe.analysis.routing_maps`.
 """
 
 from typing import NamedTuple
