@@ -46,7 +46,8 @@ def test_data_package_does_not_import_the_model():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 inside = name == "eqmoe.data" or name.startswith("eqmoe.data.")
-                assert inside or not name.startswith("eqmoe"), f"{file.name} imports {name}"
+                leaf = name in ("eqmoe.cache", "eqmoe.progress")  # utilities that import nothing of eqmoe
+                assert inside or leaf or not name.startswith("eqmoe"), f"{file.name} imports {name}"
 
 
 # Tokenizers
