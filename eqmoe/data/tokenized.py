@@ -77,7 +77,7 @@ def cache_key(path: Path, tokenizer: Tokenizer, field: str | None, split: str | 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _progress(path: Path, split: str | None):
+def _progress(path: Path):
     from tqdm import tqdm
 
     return tqdm(desc=f"tokenising {path.name}", unit=" conv", disable=None, file=sys.stderr, mininterval=1.0)
@@ -101,7 +101,7 @@ def _write(folder: Path, path: Path, tokenizer: Tokenizer, field: str | None, sp
         open(folder / "ids.bin", "wb") as ids_file,
         open(folder / "mask.bin", "wb") as mask_file,
         open(folder / "starts.bin", "wb") as starts_file,
-        _progress(path, split) as bar,
+        _progress(path) as bar,
     ):
         starts_file.write(np.zeros(1, np.int64).tobytes())
         for batch in _batches(data.items):
