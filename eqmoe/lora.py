@@ -47,17 +47,23 @@ def lora_targets() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Which weights get adapters and their shape: ``rank``, ``alpha`` (``scale = alpha / rank``)."""
+    """Which weights get adapters and their shape: ``rank``, ``alpha`` (``scale = alpha / rank``), and the
+    training-time ``dropout`` on the adapters' inputs. As in PEFT, dropout applies to the adapters of linear maps
+    (attention, dense FFNs); the router's and the routed experts' adapters take their inputs undropped (PEFT
+    refuses ``lora_dropout`` for parameter targets, which is how it adapts those)."""
 
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ("attention", "experts")
+    dropout: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"LoRAConfig.rank={self.rank!r} is invalid; allowed: an integer >= 1")
         if not self.alpha > 0:
             raise ValueError(f"LoRAConfig.alpha={self.alpha!r} is invalid; allowed: a number > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout={self.dropout!r} is invalid; allowed: 0 <= dropout < 1")
         if not self.targets:
             raise ValueError("LoRAConfig.targets is empty; allowed: " + ", ".join(lora_targets()))
         unknown = [t for t in self.targets if t not in lora_targets()]
@@ -103,7 +109,8 @@ def _adapters(layer, group: str, config: LoRAConfig, key: PRNGKeyArray):
         fields[prefix + "a"] = jax.random.uniform(k, (*lead, *in_shape, config.rank), jnp.float32, -bound, bound)
         fields[prefix + "b"] = jnp.zeros((*lead, config.rank, *out_shape), jnp.float32)
     adapters = object.__new__(adapter_cls)  # the fields are the dataclass's; no __init__ logic to run
-    for name, value in {**fields, "scale": config.scale}.items():
+    extra = {"dropout": config.dropout} if group in ("attention", "mlp") else {}
+    for name, value in {**fields, "scale": config.scale, **extra}.items():
         object.__setattr__(adapters, name, value)
     adapters.__check_init__()
     return adapters

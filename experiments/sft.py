@@ -77,12 +77,14 @@ class ModelOptions:
     """LoRA scale numerator: adapters are scaled by alpha / rank."""
     lora_targets: tuple[str, ...] = ("attention", "experts")
     """What gets adapters: attention, mlp, router, experts, or one matrix such as attention.q or experts.down."""
+    lora_dropout: float = 0.0
+    """Training-time dropout on the inputs of the attention and dense-FFN adapters (PEFT's lora_dropout)."""
 
     def lora(self) -> LoRAConfig | None:
         if self.lora_rank is None:
             return None
         try:
-            return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
+            return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
         except ValueError as error:
             raise UsageError(f"--lora: {error}") from None
 

@@ -297,3 +297,39 @@ def test_rank_8_adapters_are_under_five_percent_of_the_model(tmp_path):
     model_bytes = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
     assert adapter_bytes < 0.05 * model_bytes, (adapter_bytes, model_bytes)
     print(f"PEFT folder {adapter_bytes:,} bytes, {adapter_bytes / model_bytes:.2%} of the model's {model_bytes:,}")
+
+
+def test_lora_dropout_drops_adapter_inputs_only_while_training():
+    from eqmoe.nn.lora import AttentionAdapters, adapted
+
+    rate, tokens, width = 0.25, 4000, 4
+    adapters = AttentionAdapters(
+        q_a=jnp.eye(width),
+        q_b=jnp.eye(width).reshape(width, 1, width),
+        k_a=None,
+        k_b=None,
+        v_a=None,
+        v_b=None,
+        o_a=None,
+        o_b=None,
+        scale=1.0,
+        dropout=rate,
+    )
+    x = jax.random.normal(jax.random.key(0), (tokens, width)) + 3.0
+    weight = jnp.zeros((width, width))
+    np.testing.assert_array_equal(adapted(x, weight, adapters, "q"), x)  # no key: no dropout (evaluation)
+    dropped = np.asarray(adapted(x, weight, adapters, "q", jax.random.key(1)))
+    # With A = B = I and W = 0 the output is dropout(x): each entry 0 or x / (1 - p), about p of them 0.
+    zero = dropped == 0
+    np.testing.assert_allclose(dropped[~zero], np.asarray(x)[~zero] / (1 - rate), rtol=1e-6)
+    assert abs(zero.mean() - rate) < 0.02
+    other = np.asarray(adapted(x, weight, adapters, "q", jax.random.key(2)))
+    assert np.mean((other == 0) != zero) > 0.2  # another key, another mask
+    with pytest.raises(ValueError, match="dropout"):
+        LoRAConfig(dropout=1.0)
+    model = add_lora(
+        Transformer(TINY, key=jax.random.key(0)),
+        LoRAConfig(4, 8.0, ("attention", "experts"), 0.1),
+        key=jax.random.key(1),
+    )
+    assert _layer(model, 0, 0, "attention").lora.dropout == 0.1

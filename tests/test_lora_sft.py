@@ -41,7 +41,9 @@ def test_lora_sft_from_hf_adapter_checkpoints_and_both_exports(tmp_path, capsys,
         steps=40, out_dir=tmp_path / "run", checkpoint_every=20, eval_every=1000, log_every=5, samples=0
     )
     args = sft.Args(
-        model=sft.ModelOptions(init_from_hf=tmp_path / "hf", lora_rank=8, lora_targets=("attention", "experts")),
+        model=sft.ModelOptions(
+            init_from_hf=tmp_path / "hf", lora_rank=8, lora_targets=("attention", "experts"), lora_dropout=0.05
+        ),
         data=sft.DataOptions(seq_len=64, batch_size=8, train_examples=400, eval_examples=16),
         optim=dataclasses.replace(sft.Args().optim, learning_rate=1e-2, warmup_steps=3, freeze=("router",)),
         run=run,

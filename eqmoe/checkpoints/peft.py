@@ -58,6 +58,7 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     tensors: dict[str, np.ndarray] = {}
     modules, parameters, patterns = set(), set(), {}
     scale = rank = None
+    dropout = 0.0
     experts: dict[tuple, dict] = {}
     for name in _checkpoint_names(model.config):
         layer = _get(model, name.path[:-1])
@@ -66,7 +67,7 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         if adapters is None or member is None or getattr(adapters, member + "a") is None:
             continue
         a, b = getattr(adapters, member + "a"), getattr(adapters, member + "b")
-        rank, scale = a.shape[-1], adapters.scale
+        rank, scale, dropout = a.shape[-1], adapters.scale, max(dropout, getattr(adapters, "dropout", 0.0))
         if len(name.index) == 1:  # one matrix per layer
             module = name.key.removesuffix(".weight")
             lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
@@ -107,6 +108,9 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         "alpha_pattern": {key: scale * value for key, value in patterns.items()},
         "target_modules": sorted(modules) or None,
         "target_parameters": sorted(parameters) or None,
+        # PEFT refuses lora_dropout with parameter targets (experts, router, dense FFNs here); it only matters
+        # for training on, so such a folder records none.
+        "lora_dropout": 0.0 if parameters else dropout,
     }
     return tensors, fields
 
@@ -121,7 +125,6 @@ def save_adapters(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -196,13 +196,14 @@ class Attention(Layer):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Queries, KeysOrValues, KeysOrValues]:
         """Queries, keys and values, normed and rotated, head-major (queries pre-scaled with ``after_rope``)."""
         # Flat [tokens, embed] matmuls: XLA:CPU's backward pass is much slower on split token axes.
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
         q, k, v = (
-            adapted(flat, w, self.lora, name).reshape(batch, seq, *w.shape[1:])
+            adapted(flat, w, self.lora, name, key).reshape(batch, seq, *w.shape[1:])
             for w, name in ((self.wq, "q"), (self.wk, "k"), (self.wv, "v"))
         )
         layout, placement = self.config.rope_layout, self.config.qk_norm
@@ -216,14 +217,14 @@ class Attention(Layer):
         return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def _attend(
-        self, q: Queries, k: KeysOrValues, v: KeysOrValues, mask: AttentionMask
+        self, q: Queries, k: KeysOrValues, v: KeysOrValues, mask: AttentionMask, key: PRNGKeyArray | None = None
     ) -> Float[Array, "batch seq embed"]:
         batch, _, _, seq, _ = q.shape
         scale = 1.0 if self.config.qk_norm == "after_rope" else q.shape[-1] ** -0.5
         backend = _resolve(self.config, mask, q.dtype)
         out = backend(q, k, v, mask, scale=scale, block_size=self.config.block_size)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
-        return adapted(out, self.wo, self.lora, "o").reshape(batch, seq, -1)
+        return adapted(out, self.wo, self.lora, "o", key).reshape(batch, seq, -1)
 
     def __call__(
         self,
@@ -231,9 +232,10 @@ class Attention(Layer):
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
         mask: AttentionMask,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        q, k, v = self._project(x, cos, sin)
-        return self._attend(q, k, v, mask)
+        q, k, v = self._project(x, cos, sin, key)
+        return self._attend(q, k, v, mask, key)
 
     def decode(
         self,

@@ -91,9 +91,12 @@ class Block(Layer):
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
-        x = x + self.attention(self.attn_norm(x), cos, sin, mask)
-        return self._ffn_residual(x, token_mask, token_domains, segment_ids)
+        """``key``: randomness of training-time LoRA dropout (None: none)."""
+        attention_key, ffn_key = (None, None) if key is None else jax.random.split(key)
+        x = x + self.attention(self.attn_norm(x), cos, sin, mask, attention_key)
+        return self._ffn_residual(x, token_mask, token_domains, segment_ids, key=ffn_key)
 
     def decode(
         self,
@@ -123,6 +126,7 @@ class Block(Layer):
         token_domains: Float[Array, "batch seq domains"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
         pad_to_groups: bool = False,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
         h = self.pre_norm(x) if self.pre_norm is not None else x
         if isinstance(self.ffn, MoE):
@@ -131,7 +135,7 @@ class Block(Layer):
             else:
                 h, stats = self.ffn(h, token_mask, token_domains, segment_ids)
         else:
-            h, stats = self.ffn(h), None
+            h, stats = self.ffn(h, key), None
         return PLACEMENTS.get(self.placement).residual(x, h, self.post_norm), stats
 
 

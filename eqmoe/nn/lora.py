@@ -8,8 +8,9 @@ Routed experts get one adapter per expert (``[experts, ...]``), computed inside 
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqmoe.nn._params import Layer, Role, param
 
@@ -61,6 +62,7 @@ class AttentionAdapters(Layer):
     o_a: Float[Array, "heads head_dim lora_rank"] | None = param(Role.ADAPTER)
     o_b: Float[Array, "lora_rank embed"] | None = param(Role.ADAPTER)
     scale: float = eqx.field(static=True)
+    dropout: float = eqx.field(static=True, default=0.0)
 
 
 class MLPAdapters(Layer):
@@ -73,6 +75,7 @@ class MLPAdapters(Layer):
     down_a: Float[Array, "mlp lora_rank"] | None = param(Role.ADAPTER)
     down_b: Float[Array, "lora_rank embed"] | None = param(Role.ADAPTER)
     scale: float = eqx.field(static=True)
+    dropout: float = eqx.field(static=True, default=0.0)
 
 
 class RouterAdapter(Layer):
@@ -83,12 +86,25 @@ class RouterAdapter(Layer):
     scale: float = eqx.field(static=True)
 
 
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 def adapted(
-    x: Float[Array, "tokens fan_in"], weight: Array, adapters: Layer | None, name: str
+    x: Float[Array, "tokens fan_in"],
+    weight: Array,
+    adapters: Layer | None,
+    name: str,
+    key: PRNGKeyArray | None = None,
 ) -> Float[Array, "tokens fan_out"]:
-    """``x @ W`` (``W`` flattened to a matrix) plus the adapter ``{name}_a``/``{name}_b`` when present."""
+    """``x @ W`` (``W`` flattened to a matrix) plus the adapter ``{name}_a``/``{name}_b`` when present. With a
+    ``key`` and ``adapters.dropout > 0`` the adapter sees ``x`` through inverted dropout (PEFT's ``lora_dropout``:
+    ``W x + s B A dropout(x)``), one mask per matrix; without a key (evaluation, generation) it sees ``x``."""
     out = x @ weight.reshape(x.shape[-1], -1)
     a = None if adapters is None else getattr(adapters, f"{name}_a")
     if a is None:
         return out
+    rate = getattr(adapters, "dropout", 0.0)
+    if key is not None and rate > 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, _MATRICES.index(name)), 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
     return out + low_rank(x, a, getattr(adapters, f"{name}_b"), adapters.scale)

@@ -30,9 +30,11 @@ class SwiGLU(Layer):
         self.w_down = init.weight(k_down, (mlp_dim, embed_dim), fan_in=mlp_dim)
         self.lora = None
 
-    def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
+    def __call__(
+        self, x: Float[Array, "*batch embed"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch embed"]:
         # Matmuls on a flat [tokens, embed] matrix: XLA:CPU's backward pass is several times slower
         # when the token axes stay split into [batch, seq].
         flat = x.reshape(-1, x.shape[-1])
-        hidden = silu(adapted(flat, self.w_gate, self.lora, "gate")) * adapted(flat, self.w_up, self.lora, "up")
-        return adapted(hidden, self.w_down, self.lora, "down").reshape(x.shape)
+        gate, up = adapted(flat, self.w_gate, self.lora, "gate", key), adapted(flat, self.w_up, self.lora, "up", key)
+        return adapted(silu(gate) * up, self.w_down, self.lora, "down", key).reshape(x.shape)

@@ -5,7 +5,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqmoe.config import ModelConfig, Segment
 from eqmoe.nn._params import Layer
@@ -56,12 +56,14 @@ class RepeatedUnit(Layer):
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
         segment_ids: Int[Array, "batch seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], RouterStats | None]:
-        def run_block(block, x, _):
-            x, stats = block(x, cos, sin, mask, token_mask, token_domains, segment_ids)
+        def run_block(block, x, _, block_key):
+            x, stats = block(x, cos, sin, mask, token_mask, token_domains, segment_ids, key=block_key)
             return x, stats, None
 
-        x, stats, _ = self._run(run_block, x, None)
+        keys = None if key is None else jax.random.split(key, self.repeats)  # one per repeat, scanned
+        x, stats, _ = self._run(run_block, x, None, keys)
         return x, _interleave(stats)
 
     def decode(
@@ -78,14 +80,21 @@ class RepeatedUnit(Layer):
         if len(cache) != len(self.blocks):
             raise ValueError(f"the cache has {len(cache)} entries for a unit of {len(self.blocks)} blocks")
 
-        def run_block(block, x, layer_cache):
+        def run_block(block, x, layer_cache, _):
             return block.decode(x, cos, sin, mask, token_mask, layer_cache, index)
 
         x, stats, cache = self._run(run_block, x, cache)
         return x, _interleave(stats), cache
 
-    def _run(self, run_block: Callable, x: Float[Array, "batch seq embed"], cache: tuple[LayerCache, ...] | None):
-        """Every repeat of the unit in order: ``run_block(block, x, layer_cache) -> (x, stats, layer_cache)``.
+    def _run(
+        self,
+        run_block: Callable,
+        x: Float[Array, "batch seq embed"],
+        cache: tuple[LayerCache, ...] | None,
+        keys: Key[Array, " repeats"] | None = None,
+    ):
+        """Every repeat of the unit in order: ``run_block(block, x, layer_cache, key) -> (x, stats, layer_cache)``
+        (``keys``: one per repeat, each block of the unit folding in its position).
 
         The scan's inputs are the unit's parameters and (when given) its cache; its outputs are the
         stats of the MoE blocks and the updated cache, both stacked over ``repeats``.
@@ -93,11 +102,12 @@ class RepeatedUnit(Layer):
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
         def run_unit(x, inputs):
-            unit_params, unit_cache = inputs
+            unit_params, unit_cache, unit_key = inputs
             stats, new_cache = [], []
             for position, block in enumerate(eqx.combine(unit_params, static)):
                 layer_cache = None if unit_cache is None else unit_cache[position]
-                x, block_stats, layer_cache = run_block(block, x, layer_cache)
+                block_key = None if unit_key is None else jax.random.fold_in(unit_key, position)
+                x, block_stats, layer_cache = run_block(block, x, layer_cache, block_key)
                 if block_stats is not None:
                     stats.append(block_stats)
                 new_cache.append(layer_cache)
@@ -106,11 +116,11 @@ class RepeatedUnit(Layer):
         if self.remat:
             run_unit = jax.checkpoint(run_unit)
         if self.scan:
-            x, (stats, cache) = jax.lax.scan(run_unit, x, (params, cache))
+            x, (stats, cache) = jax.lax.scan(run_unit, x, (params, cache, keys))
         else:
             outputs = []
             for index in range(self.repeats):
-                x, unit_outputs = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], (params, cache)))
+                x, unit_outputs = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], (params, cache, keys)))
                 outputs.append(unit_outputs)
             stats, cache = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
         return x, stats, cache

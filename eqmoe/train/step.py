@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.data import packing
@@ -61,12 +61,17 @@ def held_out_batches(rows: packing.PackedRows, batch_size: int) -> Iterator[tupl
 
 
 def batch_loss(
-    model: Transformer, batch: Batch
+    model: Transformer, batch: Batch, key: PRNGKeyArray | None = None
 ) -> tuple[Float[Array, ""], tuple[Metrics, Float[Array, "moe_layers experts"] | None]]:
     """The configured objective on a packed batch (padding, segment id 0, is masked everywhere), its
-    terms and each MoE layer's expert assignment counts (``None`` without MoE layers)."""
+    terms and each MoE layer's expert assignment counts (``None`` without MoE layers). ``key``: the step's
+    training-time randomness (LoRA dropout)."""
     output = model(
-        batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=batch.segment_ids != 0
+        batch.tokens,
+        segment_ids=batch.segment_ids,
+        positions=batch.positions,
+        token_mask=batch.segment_ids != 0,
+        key=key,
     )
     loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
     if output.aux is not None:
@@ -122,7 +127,9 @@ def train_step_fn(
 
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
         differentiated, constant = _trained_part(state.model, trained)
-        loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch)  # noqa: E731
+        step_key = jax.random.fold_in(state.key, state.step)  # the next state's key; this step's randomness below
+        dropout_key = jax.random.fold_in(step_key, 0)
+        loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch, dropout_key)  # noqa: E731
         (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
@@ -131,8 +138,7 @@ def train_step_fn(
             model = update_router_biases(model, expert_counts)
         terms["grad_norm"] = optax.tree.norm(grads)
         terms["learning_rate"] = schedule(state.step)
-        key = jax.random.fold_in(state.key, state.step)
-        new_state = TrainState(model, opt_state, state.step + 1, state.data_step + 1, key)
+        new_state = TrainState(model, opt_state, state.step + 1, state.data_step + 1, step_key)
         return parallel.constrain(new_state), terms
 
     return train_step
