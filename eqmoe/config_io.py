@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from eqmoe.config import AttentionConfig, LossConfig, ModelConfig, MoEConfig, NormConfig, RouterConfig, Segment
+from eqmoe.config import (
+    AttentionConfig,
+    LossConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    RopeScaling,
+    RouterConfig,
+    Segment,
+)
 
 
 def architecture_differences(a: object, b: object, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -43,10 +52,13 @@ def config_from_dict(values: dict) -> ModelConfig:
         moe = values.pop("moe", None)
         if moe is not None:
             moe = MoEConfig(**{**moe, "router": RouterConfig(**moe["router"])})
+        attention = dict(values.pop("attention"))
+        if attention.get("rope_scaling") is not None:
+            attention["rope_scaling"] = RopeScaling(**attention["rope_scaling"])
         return ModelConfig(
             **{
                 **values,
-                "attention": AttentionConfig(**values.pop("attention")),
+                "attention": AttentionConfig(**attention),
                 "norm": NormConfig(**values.pop("norm", {})),
                 "loss": LossConfig(**values.pop("loss", {})),
                 "layers": tuple(Segment(tuple(s["unit"]), s["repeats"]) for s in values.pop("layers")),

@@ -65,6 +65,7 @@ class Transformer(Layer):
       positions for left-padded prompts). ``segment_ids`` are not supported with a cache. The cache
       must have room: ``cache.index + seq <= max_len`` (not checked inside ``jit``; a write past the end
       lands on the last slots). MoE routing follows :meth:`eqmoe.nn.block.Block.decode`.
+    - ``key``: training-time randomness (LoRA dropout); ``None`` (evaluation, generation) is deterministic.
     """
 
     embed: Float[Array, "vocab embed"] = param(Role.EMBEDDING)
@@ -99,6 +100,7 @@ class Transformer(Layer):
         token_mask: Bool[Array, "batch seq"] | None = None,
         token_domains: Float[Array, "batch seq domains"] | None = None,
         cache: KVCache | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> ModelOutput:
         model = self.cast(self.config.dtype)
         batch, seq = tokens.shape
@@ -129,12 +131,15 @@ class Transformer(Layer):
                 mask = attention_mask(segments, token_mask)
 
         attn = self.config.attention
-        cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout)
+        cos, sin = rope_tables(
+            positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout, attn.rope_scaling
+        )
         x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
         layer_stats, layer_caches = [], []
         for index, segment in enumerate(model.segments):
             if cache is None:
-                x, stats = segment(x, cos, sin, mask, token_mask, token_domains, segment_ids)
+                segment_key = None if key is None else jax.random.fold_in(key, index)
+                x, stats = segment(x, cos, sin, mask, token_mask, token_domains, segment_ids, key=segment_key)
             else:
                 x, stats, segment_cache = segment.decode(
                     x, cos, sin, mask, token_mask, cache.layers[index], cache.index

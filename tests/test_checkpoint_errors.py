@@ -464,11 +464,11 @@ def test_config_decoder_sparse_step_zero(folder):
 
 
 def test_config_unsupported_rope_type_names_the_file_once(folder):
-    _write_config(folder, {**HF_CONFIG, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    _write_config(folder, {**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError) as excinfo:
         hf.load(folder)
     message = _message(excinfo)
-    assert "rope_type 'yarn'" in message
+    assert "rope_type 'dynamic'" in message
     assert message.count(str(folder / "config.json")) == 1, message
 
 

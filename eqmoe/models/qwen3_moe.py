@@ -9,10 +9,13 @@ from eqmoe.config import (
     ModelConfig,
     MoEConfig,
     NormConfig,
+    RopeScaling,
     RouterConfig,
     segments_from_kinds,
 )
+from eqmoe.models import hf_config
 from eqmoe.models.family import Family, TensorName, layer_slots, register
+from eqmoe.models.hf_config import COMMON_IRRELEVANT_FIELDS, FieldList, positive_integers, require, rope_to_hf
 
 NAME = "qwen3_moe"
 
@@ -30,6 +33,7 @@ def _qwen3_moe(
     expert_dim: int,
     mlp_dim: int,
     theta: float,
+    rope_scaling: RopeScaling | None = None,
     kinds: list[str] | None = None,
     tie: bool = False,
     renormalize: bool = True,
@@ -40,7 +44,9 @@ def _qwen3_moe(
     return ModelConfig(
         vocab_size=vocab,
         embed_dim=embed,
-        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta),
+        attention=AttentionConfig(
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta, rope_scaling=rope_scaling
+        ),
         layers=segments_from_kinds(kinds or ["moe"] * layers),
         mlp_dim=mlp_dim,
         moe=MoEConfig(
@@ -117,24 +123,58 @@ PRESETS: dict[str, ModelConfig] = {
 
 # --- Hugging Face config.json -------------------------------------------------------------------
 
+# Every field a Qwen3-MoE config.json may hold (transformers' Qwen3MoeConfig and the PreTrainedConfig fields
+# its save_pretrained writes, plus the older names of both); any other field is refused (hf_config.check_fields).
+READ_FIELDS = (  # reproduced: they set the ModelConfig
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "router_aux_loss_coef",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "max_position_embeddings",
+)
+IRRELEVANT_FIELDS = (  # change nothing eqmoe computes from the weights: metadata, token ids, output switches
+    *COMMON_IRRELEVANT_FIELDS,
+    "sliding_window",  # read only with use_sliding_window (transformers sets it to None otherwise)
+    "max_window_layers",  # likewise
+)
+FIXED_FIELDS = {  # eqmoe computes these only at the value shown (transformers' default)
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "attention_dropout": 0.0,
+    "partial_rotary_factor": 1.0,
+    "chunk_size_feed_forward": 0,
+    "is_encoder_decoder": False,
+}
+FIELDS = FieldList(READ_FIELDS, IRRELEVANT_FIELDS, FIXED_FIELDS)
+_HF_DEFAULT_MAX_POSITIONS = 32768  # Qwen3MoeConfig.max_position_embeddings
 
-def _require(hf: dict[str, Any], name: str, source: str) -> Any:
-    if name not in hf:
-        raise ValueError(f"{source}: missing field {name!r}")
-    return hf[name]
+
+def check_fields(hf: dict[str, Any], source: str) -> None:
+    """Refuse, naming the field and ``source``, any field outside the Qwen3-MoE allow-list and any fixed field
+    whose value eqmoe does not compute (:func:`eqmoe.models.hf_config.check_fields`)."""
+    hf_config.check_fields(hf, source, FIELDS)
 
 
-def _rope_theta(hf: dict[str, Any], source: str) -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"{source}: rope_parameters={params!r} is invalid; allowed: a JSON object")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; allowed: default")
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise ValueError(f"{source}: rope_theta={theta!r} is invalid; allowed: a positive number")
-    return float(theta)
+def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` as transformers' Qwen3-MoE reads them (:func:`hf_config.rope_from_hf`)."""
+    return hf_config.rope_from_hf(hf, source, _HF_DEFAULT_MAX_POSITIONS)
 
 
 def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
@@ -149,20 +189,16 @@ def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face Qwen3-MoE ``config.json`` dictionary.
 
-    Accepts ``num_experts`` or ``num_local_experts`` and ``rope_theta`` or ``rope_parameters``; refuses
-    options eqmoe does not implement (sliding windows, attention biases, non-SiLU activations).
+    Accepts ``num_experts`` or ``num_local_experts`` and ``rope_parameters`` or ``rope_scaling`` +
+    ``rope_theta`` (:func:`rope_from_hf`); refuses every field outside the allow-list (:func:`check_fields`)
+    and options eqmoe does not implement (sliding windows, attention biases, non-SiLU activations).
     """
     model_type = hf.get("model_type")
     if model_type != NAME:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {NAME!r}")
-    if hf.get("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    if hf.get("attention_bias", False):
-        raise ValueError(f"{source}: attention_bias=true is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; allowed: 'silu'")
+    check_fields(hf, source)
     req = {
-        name: _require(hf, name, source)
+        name: require(hf, name, source)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -179,16 +215,16 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         name: hf[name] for name in ("num_key_value_heads", "head_dim", "intermediate_size") if hf.get(name) is not None
     }
     integers = {**req, **optional, "num_experts": experts, "decoder_sparse_step": hf.get("decoder_sparse_step", 1)}
-    for name, value in integers.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{source}: {name}={value!r} is invalid; allowed: a positive integer")
+    if hf.get("max_position_embeddings") is not None:
+        integers["max_position_embeddings"] = hf["max_position_embeddings"]
+    positive_integers(integers, source)
     mlp_only = hf.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
         raise ValueError(f"{source}: mlp_only_layers={mlp_only!r} is invalid; allowed: a list of layer indices")
     kinds = layer_kinds_from_hf(req["num_hidden_layers"], experts, integers["decoder_sparse_step"], mlp_only)
     if "dense" in kinds:
-        _require(hf, "intermediate_size", source)
-    theta = _rope_theta(hf, source)
+        require(hf, "intermediate_size", source)
+    theta, scaling = rope_from_hf(hf, source)
     try:
         return _qwen3_moe(
             vocab=req["vocab_size"],
@@ -202,6 +238,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
             expert_dim=req["moe_intermediate_size"],
             mlp_dim=optional.get("intermediate_size"),
             theta=theta,
+            rope_scaling=scaling,
             kinds=kinds,
             tie=bool(hf.get("tie_word_embeddings", False)),
             renormalize=bool(hf.get("norm_topk_prob", False)),
@@ -277,6 +314,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         raise ValueError("moe=None has no Hugging Face Qwen3-MoE equivalent; a MoEConfig is needed")
     kinds = config.layer_kinds()
     attention = config.attention
+    max_positions = attention.rope_scaling.max_position_embeddings if attention.rope_scaling else None
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -294,13 +332,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
         "rms_norm_eps": config.norm.eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": attention.rope_theta},
+        "rope_parameters": rope_to_hf(attention.rope_theta, attention.rope_scaling),
         "tie_word_embeddings": config.tie_embeddings,
         "router_aux_loss_coef": config.loss.load_balance_weight,
         "hidden_act": "silu",
         "attention_bias": False,
         "use_sliding_window": False,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": max_positions or _HF_DEFAULT_MAX_POSITIONS,
         "dtype": config.param_dtype,
     }
 
