@@ -24,6 +24,7 @@ import tyro
 
 from eqmoe.config_io import format_override
 from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
+from eqmoe.train.tracking import TrackerName
 from experiments import pretrain
 from experiments._cli import UsageError, guarded
 
@@ -84,12 +85,17 @@ class Args:
     """Built-in corpus: held-out characters of each domain."""
     mesh: str | None = None
     """Device mesh for every variant, e.g. data=2,expert=4 (default: one device)."""
+    tracker: tuple[TrackerName, ...] = ("jsonl",)
+    """Trackers of every variant's run besides metrics.jsonl: tensorboard, wandb (one run per variant)."""
+    wandb_project: str = "eqmoe-ablate"
+    """W&B project of --tracker wandb."""
 
 
 def settings(args: Args) -> dict:
     """What every variant shares; an output folder holds results of one setting only."""
     fields = dataclasses.asdict(args)
-    return {name: value for name, value in fields.items() if name not in ("variants", "out_dir", "mesh")}
+    views = ("variants", "out_dir", "mesh", "tracker", "wandb_project")
+    return {name: value for name, value in fields.items() if name not in views}
 
 
 def pretrain_args(args: Args, name: str) -> pretrain.Args:
@@ -121,6 +127,8 @@ def pretrain_args(args: Args, name: str) -> pretrain.Args:
             eval_every=args.eval_every,
             log_every=min(50, args.steps),
             seed=args.seed,
+            tracker=args.tracker,
+            wandb_project=args.wandb_project,
         ),
         parallel=dataclasses.replace(defaults.parallel, mesh=args.mesh),
     )

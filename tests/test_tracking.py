@@ -56,6 +56,15 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics(tmp_path, monkeypatch):
     evals = [r for r in _records(out) if "eval_loss" in r]
     assert all(float(history[r["step"]]["eval_loss"]) == pytest.approx(r["eval_loss"], rel=1e-6) for r in evals)
 
+    # --resume continues the same W&B run (its id is kept beside the run).
+    run_id = (out / "wandb_run_id").read_text().strip()
+    more = dataclasses.replace(args.run, steps=52, resume=True, eval_every=25, checkpoint_every=50, tracker=("wandb",))
+    pretrain.run(dataclasses.replace(args, run=more))
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    resumed = [run for run in (out / "wandb").glob("offline-run-*") if run != runs[0]]
+    assert len(resumed) == 1 and resumed[0].name.endswith(run_id)
+    assert 52 in {int(row["_step"]) for row in _wandb_history(next(resumed[0].glob("*.wandb")))}
+
 
 def _wandb_history(path) -> list[dict]:
     """The history rows of an offline W&B run file: LevelDB-style log blocks of 32 KiB after a 7-byte header,
