@@ -48,6 +48,29 @@ def layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]]
                 layer += 1
 
 
+def outer_names(config: ModelConfig) -> list[TensorName]:
+    """The embedding, final norm and (untied) output layer in the names transformers' decoders share."""
+    names = [
+        TensorName("model.embed_tokens.weight", ("embed",), ()),
+        TensorName("model.norm.weight", ("final_norm", "weight"), ()),
+    ]
+    if not config.tie_embeddings:
+        names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
+    return names
+
+
+def attention_names(prefix: str, block: tuple, repeat: int) -> list[TensorName]:
+    """A decoder layer's two norms and q/k/v/o projections (``prefix``: ``model.layers.{i}.``)."""
+    return [
+        TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (repeat,)),
+        TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (repeat,)),
+        TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (repeat,), 1),
+        TensorName(prefix + "self_attn.k_proj.weight", (*block, "attention", "wk"), (repeat,), 1),
+        TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (repeat,), 1),
+        TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (repeat,), 2),
+    ]
+
+
 def _no_hf_format(name: str) -> Callable[..., Any]:
     def refuse(*_args, **_kwargs):
         raise ValueError(f"model family {name!r} has no Hugging Face checkpoint format")

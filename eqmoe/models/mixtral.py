@@ -19,7 +19,7 @@ from eqmoe.config import (
     segments_from_kinds,
 )
 from eqmoe.models import hf_config
-from eqmoe.models.family import Family, TensorName, layer_slots, register
+from eqmoe.models.family import Family, TensorName, attention_names, layer_slots, outer_names, register
 from eqmoe.models.hf_config import COMMON_IRRELEVANT_FIELDS, FieldList, positive_integers, require, rope_to_hf, show
 
 NAME = "mixtral"
@@ -235,24 +235,12 @@ _EXPERT_WEIGHTS = (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))
 def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     """Every tensor of a Hugging Face Mixtral checkpoint for ``config``, in the Hub's key names (those
     transformers' ``save_pretrained`` writes: ``block_sparse_moe.gate`` and ``experts.{j}.w1/w2/w3``)."""
-    names = [
-        TensorName("model.embed_tokens.weight", ("embed",), ()),
-        TensorName("model.norm.weight", ("final_norm", "weight"), ()),
-    ]
-    if not config.tie_embeddings:
-        names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
+    names = outer_names(config)
     for layer, s, r, u, _kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
-        names += [
-            TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (r,)),
-            TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (r,)),
-            TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (r,), 1),
-            TensorName(prefix + "self_attn.k_proj.weight", (*block, "attention", "wk"), (r,), 1),
-            TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (r,), 1),
-            TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (r,), 2),
-            TensorName(prefix + "block_sparse_moe.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1),
-        ]
+        names += attention_names(prefix, block, r)
+        names.append(TensorName(prefix + "block_sparse_moe.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
         for j in range(config.moe.router.num_experts):
             for hub, leaf in _EXPERT_WEIGHTS:
                 key = prefix + f"block_sparse_moe.experts.{j}.{hub}.weight"

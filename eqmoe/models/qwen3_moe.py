@@ -14,7 +14,7 @@ from eqmoe.config import (
     segments_from_kinds,
 )
 from eqmoe.models import hf_config
-from eqmoe.models.family import Family, TensorName, layer_slots, register
+from eqmoe.models.family import Family, TensorName, attention_names, layer_slots, outer_names, register
 from eqmoe.models.hf_config import COMMON_IRRELEVANT_FIELDS, FieldList, positive_integers, require, rope_to_hf
 
 NAME = "qwen3_moe"
@@ -254,24 +254,12 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
 
 def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     """Every tensor of a Hugging Face Qwen3-MoE checkpoint for ``config``, in the Hub's key names."""
-    names = [
-        TensorName("model.embed_tokens.weight", ("embed",), ()),
-        TensorName("model.norm.weight", ("final_norm", "weight"), ()),
-    ]
-    if not config.tie_embeddings:
-        names.append(TensorName("lm_head.weight", ("lm_head",), (), linear_in_dims=1))
+    names = outer_names(config)
     num_experts = config.moe.router.num_experts if config.moe else 0
     for layer, s, r, u, kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
-        names += [
-            TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (r,)),
-            TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (r,)),
-            TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (r,), 1),
-            TensorName(prefix + "self_attn.k_proj.weight", (*block, "attention", "wk"), (r,), 1),
-            TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (r,), 1),
-            TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (r,), 2),
-        ]
+        names += attention_names(prefix, block, r)
         if config.attention.qk_norm != "none":
             names += [
                 TensorName(prefix + "self_attn.q_norm.weight", (*block, "attention", "q_norm", "weight"), (r,)),
