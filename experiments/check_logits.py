@@ -17,6 +17,7 @@ Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR/tokenize
 pseudo-random token ids.
 """
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,30 @@ def _prompt_ids(args: Args, vocab_size: int) -> list[np.ndarray]:
     return [rng.integers(0, vocab_size, args.random_length) for _ in range(args.random_prompts)]
 
 
+def _with_peft_adapters(reference, folder: Path):
+    """``reference`` with the LoRA adapters of a PEFT folder, read from ``adapter_model.safetensors`` only (never
+    a pickled ``adapter_model.bin``, which PEFT's own loader falls back to)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights, config_file = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    for path in (config_file, weights):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found (--peft needs a safetensors PEFT adapter folder)")
+    fields = json.loads(config_file.read_text())
+    if fields.get("peft_type") != "LORA":
+        raise ValueError(f"{config_file}: peft_type {fields.get('peft_type')!r} is not LORA")
+    config = LoraConfig(**{k: v for k, v in fields.items() if k in LoraConfig.__dataclass_fields__})
+    model = get_peft_model(reference, config)
+    result = set_peft_model_state_dict(model, load_file(weights))
+    missing = [key for key in result.missing_keys if "lora_" in key]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{weights}: does not fit the model (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+        )
+    return model.eval()
+
+
 def main(args: Args) -> int:
     try:
         import torch
@@ -119,11 +144,13 @@ def main(args: Args) -> int:
     ).eval()
     if args.peft is not None:
         try:
-            from peft import PeftModel
+            reference = _with_peft_adapters(reference, args.peft)
         except ImportError:
             print("check_logits: --peft needs peft (pip install -e '.[test]')", file=sys.stderr)
             return 2
-        reference = PeftModel.from_pretrained(reference, args.peft).eval()
+        except (ValueError, FileNotFoundError) as error:
+            print(f"check_logits: {' '.join(str(error).split())}", file=sys.stderr)
+            return 2
     forward = eqx.filter_jit(lambda model, ids: model(ids).logits)
     worst = 0.0
     print(f"{'prompt':>6}  {'tokens':>6}  {'KL mean':>10}  {'KL max':>10}  overlap  jaccard  rank agree  max|diff|")
