@@ -143,8 +143,17 @@ class AttentionConfig:
     ``"interleaved"`` rotates pairs ``(2i, 2i+1)`` (AXLearn, GPT-J).
     ``qk_norm``: RMSNorm over ``head_dim`` on queries and keys ``"before_rope"`` (HF Qwen3, MaxText Envy)
     or ``"after_rope"`` (AXLearn Envy, where the query scale ``head_dim^-0.5`` follows the norm).
+    ``qk_norm_scope``: ``"head"`` norms each head over ``head_dim`` with one scale shared by all heads;
+    ``"projection"`` norms the whole query (``heads * head_dim``) and key (``kv_heads * head_dim``) projection
+    before it is split into heads (OLMoE; ``before_rope`` only).
     ``rope_scaling``: ``None`` for plain RoPE, else how its frequencies are stretched for long contexts
     (:class:`RopeScaling`: Hugging Face's ``linear``, ``yarn`` and ``llama3``).
+    ``rotary_dim``: ``None`` rotates the whole head; else only its first ``rotary_dim`` dimensions rotate (with
+    frequencies of a ``rotary_dim``-wide head) and the rest pass through (GLM-4.5's partial RoPE).
+    ``bias``: biases on the query/key/value projections (``"qkv"``: Qwen2-MoE, GLM-4.5) or on those and the
+    output projection (``"qkvo"``: OLMoE's ``attention_bias``).
+    ``clip_qkv``: queries, keys and values clamped to ``[-clip_qkv, clip_qkv]`` after biases and QK-norm, before
+    RoPE (OLMoE's ``clip_qkv``).
     ``backend`` computes the scores (every backend gives the same numbers), a name registered in
     :data:`eqmoe.nn.attention.BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
@@ -158,7 +167,11 @@ class AttentionConfig:
     rope_theta: float = 1e6
     rope_layout: Literal["half_split", "interleaved"] = "half_split"
     qk_norm: Literal["none", "before_rope", "after_rope"] = "before_rope"
+    qk_norm_scope: Literal["head", "projection"] = "head"
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None
+    bias: Literal["none", "qkv", "qkvo"] = "none"
+    clip_qkv: float | None = None
     backend: str = execution("auto")
     block_size: int = execution(256)
 
@@ -187,6 +200,37 @@ class AttentionConfig:
         )
         _one_of("AttentionConfig", "rope_layout", self.rope_layout, ("half_split", "interleaved"))
         _one_of("AttentionConfig", "qk_norm", self.qk_norm, ("none", "before_rope", "after_rope"))
+        _one_of("AttentionConfig", "qk_norm_scope", self.qk_norm_scope, ("head", "projection"))
+        _check(
+            self.qk_norm_scope == "head" or self.qk_norm == "before_rope",
+            "AttentionConfig",
+            "qk_norm_scope",
+            self.qk_norm_scope,
+            f"'head' (qk_norm={self.qk_norm!r}; a whole-projection norm runs before RoPE only)",
+        )
+        _one_of("AttentionConfig", "bias", self.bias, ("none", "qkv", "qkvo"))
+        rotary = self.rotary_dim
+        _check(
+            rotary is None or (isinstance(rotary, int) and 0 < rotary <= self.head_dim and rotary % 2 == 0),
+            "AttentionConfig",
+            "rotary_dim",
+            rotary,
+            f"None | an even number in 2..head_dim={self.head_dim}",
+        )
+        _check(
+            rotary is None or self.rope_layout == "half_split",
+            "AttentionConfig",
+            "rotary_dim",
+            rotary,
+            "None with rope_layout='interleaved'",
+        )
+        _check(
+            self.clip_qkv is None or (_is_number(self.clip_qkv) and self.clip_qkv > 0),
+            "AttentionConfig",
+            "clip_qkv",
+            self.clip_qkv,
+            "None | a positive number",
+        )
         scaling = self.rope_scaling
         _check(
             scaling is None or isinstance(scaling, RopeScaling),
@@ -245,6 +289,11 @@ class RouterConfig:
     assignments per group of ``S`` tokens (the batch's tokens split into ``num_groups`` groups); every
     rank-1 assignment is placed before any rank-2 one, earlier tokens first within a rank; a dropped
     assignment contributes nothing and the kept weights are not renormalised.
+
+    ``expert_groups > 1`` is DeepSeek-V3's group-limited routing: the experts split into ``expert_groups``
+    contiguous groups, each scored by the sum of its two best choice scores (the strategy's scores plus the
+    selection bias), and the top-k is taken among the experts of the ``expert_groups_kept`` best groups only
+    (``None``: every group).
     """
 
     num_experts: int
@@ -255,14 +304,41 @@ class RouterConfig:
     num_groups: int = 1
     bias_update_rate: float = 0.0
     routed_scaling_factor: float = 1.0
+    expert_groups: int = 1
+    expert_groups_kept: int | None = None
 
     def __post_init__(self):
         _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k, num_groups=self.num_groups)
-        _positive("RouterConfig", routed_scaling_factor=self.routed_scaling_factor)
         _check(self.bias_update_rate >= 0, "RouterConfig", "bias_update_rate", self.bias_update_rate, "a number >= 0")
         _check(
             self.top_k <= self.num_experts, "RouterConfig", "top_k", self.top_k, f"1..num_experts={self.num_experts}"
         )
+        _positive("RouterConfig", expert_groups=self.expert_groups)
+        groups, kept = self.expert_groups, self.expert_groups_kept
+        _check(
+            self.num_experts % groups == 0,
+            "RouterConfig",
+            "expert_groups",
+            groups,
+            f"a divisor of num_experts={self.num_experts}",
+        )
+        _check(
+            groups == 1 or self.num_experts // groups >= 2,
+            "RouterConfig",
+            "expert_groups",
+            groups,
+            "1, or groups of at least 2 experts (a group scores by its two best)",
+        )
+        _check(kept is None or 1 <= kept <= groups, "RouterConfig", "expert_groups_kept", kept, f"None | 1..{groups}")
+        eligible = (groups if kept is None else kept) * (self.num_experts // groups)
+        _check(
+            self.top_k <= eligible,
+            "RouterConfig",
+            "top_k",
+            self.top_k,
+            f"1..{eligible} (the experts of the expert_groups_kept={kept} groups)",
+        )
+        _positive("RouterConfig", routed_scaling_factor=self.routed_scaling_factor)
         from eqmoe.nn.router import STRATEGIES  # here, not at the top: eqmoe.nn imports this module
 
         STRATEGIES.check("RouterConfig", "strategy", self.strategy)
@@ -314,21 +390,44 @@ class MoEConfig:
     factor); ``"auto"`` picks ``capacity`` for capacity routing, else ``sorted`` on CPU and
     ``ragged_dot`` on accelerators.
     Every backend gives the same numbers for the same routing.
+
+    ``shared_experts`` SwiGLU experts of width ``shared_expert_dim`` (``None``: ``expert_dim``) see every token
+    and are added to the routed output; being all active they are one SwiGLU of width
+    ``shared_experts * shared_expert_dim`` (GLM-4.5, DeepSeek). ``shared_expert_gate`` multiplies their output
+    by ``sigmoid(x @ w)``, one learned scalar gate per token (Qwen2-MoE).
     """
 
     router: RouterConfig
     expert_dim: int
+    shared_experts: int = 0
+    shared_expert_dim: int | None = None
+    shared_expert_gate: bool = False
     dispatch: str = execution("auto")
     block_size: int = execution(64)
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
+        _check(self.shared_experts >= 0, "MoEConfig", "shared_experts", self.shared_experts, "an integer >= 0")
+        if self.shared_expert_dim is not None:
+            _positive("MoEConfig", shared_expert_dim=self.shared_expert_dim)
+        _check(
+            self.shared_experts > 0 or not self.shared_expert_gate,
+            "MoEConfig",
+            "shared_expert_gate",
+            self.shared_expert_gate,
+            "False (shared_experts=0: nothing to gate)",
+        )
         from eqmoe.nn.dispatch import BACKENDS  # here, not at the top: eqmoe.nn imports this module
 
         BACKENDS.check("MoEConfig", "dispatch", self.dispatch, extra=("auto",))
         backend_check = None if self.dispatch == "auto" else BACKENDS.get(self.dispatch).check
         if backend_check is not None:
             backend_check(self)
+
+    @property
+    def shared_width(self) -> int:
+        """The width of the one SwiGLU the shared experts make up (0 without any)."""
+        return self.shared_experts * (self.shared_expert_dim or self.expert_dim)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,12 @@ class Transformer(Layer):
 
         attn = self.config.attention
         cos, sin = rope_tables(
-            positions, attn.head_dim, attn.rope_theta, self.config.dtype, attn.rope_layout, attn.rope_scaling
+            positions,
+            attn.rotary_dim or attn.head_dim,
+            attn.rope_theta,
+            self.config.dtype,
+            attn.rope_layout,
+            attn.rope_scaling,
         )
         x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
         layer_stats, layer_caches = [], []

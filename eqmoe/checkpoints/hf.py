@@ -6,6 +6,7 @@ the family its ``config.family`` names."""
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,10 +110,14 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
 
 
 def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
+    if name.flat:
+        return tensor.reshape(piece)
     return tensor.T.reshape(piece) if name.linear_in_dims else tensor
 
 
 def _to_checkpoint_layout(name: TensorName, piece: np.ndarray) -> np.ndarray:
+    if name.flat:
+        return piece.reshape(-1)
     if not name.linear_in_dims:
         return piece
     return piece.reshape(math.prod(piece.shape[: name.linear_in_dims]), -1).T
@@ -176,6 +181,8 @@ def load(
         elif (kind := files[name.key].dtype(name.key)) not in FLOAT_DTYPES:
             problems.append(f"wrong dtype for {name.key}: expected a float type, found {kind}")
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    skipped = families.get(config.family).skipped_keys
+    ignorable |= {key for key in files if any(re.match(pattern, key) for pattern in skipped)}
     problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
     if problems:
         raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))

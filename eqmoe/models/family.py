@@ -23,16 +23,21 @@ class TensorName:
     ``path`` names a leaf of the model (attribute names and tuple indices); ``index`` selects the slice
     of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
     torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
+    ``flat`` marks a vector the model holds with more axes (a ``[heads, head_dim]`` bias of a flat
+    ``[heads * head_dim]`` projection).
     """
 
     key: str
     path: tuple[str | int, ...]
     index: tuple[int, ...]
     linear_in_dims: int = 0
+    flat: bool = False
 
     def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""
         piece = leaf_shape[len(self.index) :]
+        if self.flat:
+            return (math.prod(piece),)
         if self.linear_in_dims:
             return (math.prod(piece[self.linear_in_dims :]), math.prod(piece[: self.linear_in_dims]))
         return piece
@@ -93,6 +98,9 @@ class Family:
     - ``checkpoint_names(config)``: every checkpoint tensor of ``config`` and where it lives in the model.
     - ``reference_columns(path, shape)``: optional extra columns of the parameter report, naming the
       parameter at ``path`` in the family's reference codebases.
+    - ``skipped_keys``: regular expressions of tensors the family's published checkpoints hold beyond the
+      model transformers builds (GLM-4.5's multi-token-prediction layer); a key that matches one and that the
+      config does not expect is skipped when loading instead of refused.
 
     A family without a Hugging Face format (``hf_model_type=None``) leaves the three functions out; they
     then refuse with a ``ValueError`` naming the family.
@@ -105,6 +113,7 @@ class Family:
     config_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     checkpoint_names: Callable[[ModelConfig], list[TensorName]] | None = None
     reference_columns: Callable[[str, tuple[int, ...]], dict[str, str]] | None = None
+    skipped_keys: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("config_from_hf", "config_to_hf", "checkpoint_names"):

@@ -143,14 +143,17 @@ def _rope_value(params: dict[str, Any], key: str, spec: tuple[str, bool, bool], 
     return float(value) if kind == "number" else value
 
 
-def rope_from_hf(hf: dict[str, Any], source: str, default_max_positions: int) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(
+    hf: dict[str, Any], source: str, default_max_positions: int, partial_rotary: bool = False
+) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from a Hugging Face config: ``rope_parameters`` (transformers 5), or the
     older ``rope_scaling`` (``type`` or ``rope_type``) with a top-level ``rope_theta``.
 
     As transformers reads them: ``rope_theta`` inside the dictionary wins, then the top-level one, then
     10000; ``yarn`` and ``llama3`` without ``original_max_position_embeddings`` use ``max_position_embeddings``
     (the family config's default, ``default_max_positions``, when absent). A key the rope type does not read,
-    or a type eqmoe does not compute, is refused.
+    or a type eqmoe does not compute, is refused; so is a ``partial_rotary_factor`` other than 1 unless the
+    family rotates part of each head (``partial_rotary``: its reader calls :func:`rotary_dim_from_hf`).
     """
     name, params = _rope_dict(hf, source)
     where = f"{source}: {name}"
@@ -166,7 +169,7 @@ def rope_from_hf(hf: dict[str, Any], source: str, default_max_positions: int) ->
                 f"{where}.{key} is not read by rope_type {rope_type!r} (transformers ignores it); remove it"
             )
     rotary = params.get("partial_rotary_factor", 1.0)
-    if not KINDS["number"](rotary) or rotary != 1.0:
+    if not partial_rotary and (not KINDS["number"](rotary) or rotary != 1.0):
         raise ValueError(f"{where}.partial_rotary_factor={show(rotary)} is not supported; allowed: 1.0")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not KINDS["number"](theta) or theta <= 0:
@@ -183,10 +186,31 @@ def rope_from_hf(hf: dict[str, Any], source: str, default_max_positions: int) ->
         raise ValueError(f"{source}: {str(error).replace('RopeScaling.', f'{name}.')}") from None
 
 
-def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+def rotary_dim_from_hf(hf: dict[str, Any], source: str, head_dim: int, default_factor: float = 1.0) -> int | None:
+    """The rotated dimensions of each head, ``int(head_dim * partial_rotary_factor)`` as transformers computes
+    them (``None`` when the whole head rotates). The factor is read from the RoPE dictionary, else the top level
+    (older configs), else ``default_factor`` (the family config's default)."""
+    _, params = _rope_dict(hf, source)
+    name = "partial_rotary_factor"
+    factor = params.get(name, hf.get(name, default_factor))
+    if not KINDS["number"](factor) or not 0 < factor <= 1:
+        raise ValueError(f"{source}: {name}={show(factor)} is invalid; allowed: a number in (0, 1]")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2:
+        raise ValueError(
+            f"{source}: {name}={show(factor)} rotates {rotary} of head_dim={head_dim} dimensions; allowed: an even "
+            "number of at least 2"
+        )
+    return None if rotary == head_dim else rotary
+
+
+def rope_to_hf(theta: float, scaling: RopeScaling | None, partial_rotary_factor: float | None = None) -> dict[str, Any]:
     """``rope_parameters`` for ``(rope_theta, rope_scaling)``: the keys :func:`rope_from_hf` read, the ones
-    left out there left out again (``factor`` is always written: transformers needs the key)."""
+    left out there left out again (``factor`` is always written: transformers needs the key);
+    ``partial_rotary_factor`` when given."""
     params = {"rope_type": "default" if scaling is None else scaling.rope_type, "rope_theta": theta}
+    if partial_rotary_factor is not None:
+        params["partial_rotary_factor"] = partial_rotary_factor
     if scaling is not None:
         for key in ROPE_KEYS[scaling.rope_type]:
             value = getattr(scaling, key)

@@ -31,6 +31,7 @@ class Role(enum.Enum):
     EXPERT = "expert"  # routed-expert matrices: only top_k of num_experts are active per token
     ROUTER = "router"  # the router's gate
     NORM = "norm"  # RMSNorm scales
+    BIAS = "bias"  # additive biases of linear maps (attention projections of Qwen2-MoE, OLMoE, GLM-4.5)
     ROUTER_BIAS = "router_bias"  # aux-loss-free selection bias: state moved outside the gradient
     ADAPTER = "adapter"  # a low-rank (LoRA) factor added to a frozen weight
 

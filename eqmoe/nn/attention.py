@@ -150,6 +150,15 @@ def _resolve(config: AttentionConfig, mask: AttentionMask, dtype) -> Backend:
     return BACKENDS.get(name)
 
 
+def _with_bias(y: Float[Array, "tokens out"], bias: Float[Array, "*out"] | None) -> Float[Array, "tokens out"]:
+    return y if bias is None else y + bias.reshape(-1).astype(y.dtype)
+
+
+def _whole(norm: RMSNorm, x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+    """``norm`` over every head's dimensions at once (OLMoE's QK-norm of the whole projection)."""
+    return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
+
+
 class Attention(Layer):
     """Multi-head attention whose ``num_kv_heads`` key/value heads are shared by groups of query heads.
 
@@ -157,12 +166,18 @@ class Attention(Layer):
     scale shared by all heads) before RoPE, scores scaled by ``head_dim^-0.5``, softmax in float32.
     AXLearn Envy (``qk_norm="after_rope"``): ``q = RMSNorm(RoPE(q)) * head_dim^-0.5``,
     ``k = RMSNorm(RoPE(k))``, scores unscaled. The score computation is ``AttentionConfig.backend``.
+    With ``AttentionConfig.bias`` the projections add ``bq``, ``bk``, ``bv`` (and ``bo``); the norms and
+    ``clip_qkv`` follow the biases, as in transformers' OLMoE.
     """
 
     wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)
     wk: Float[Array, "embed kv_heads head_dim"] = param(Role.ATTENTION)
     wv: Float[Array, "embed kv_heads head_dim"] = param(Role.ATTENTION)
     wo: Float[Array, "heads head_dim embed"] = param(Role.ATTENTION)
+    bq: Float[Array, "heads head_dim"] | None = param(Role.BIAS)
+    bk: Float[Array, "kv_heads head_dim"] | None = param(Role.BIAS)
+    bv: Float[Array, "kv_heads head_dim"] | None = param(Role.BIAS)
+    bo: Float[Array, " embed"] | None = param(Role.BIAS)
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     lora: AttentionAdapters | None
@@ -184,10 +199,16 @@ class Attention(Layer):
         self.wk = init.weight(kk, (embed_dim, kv_heads, head_dim), fan_in=embed_dim)
         self.wv = init.weight(kv, (embed_dim, kv_heads, head_dim), fan_in=embed_dim)
         self.wo = init.weight(ko, (heads, head_dim, embed_dim), fan_in=heads * head_dim)
+        with_bias = config.bias != "none"
+        self.bq = jnp.zeros((heads, head_dim), init.dtype) if with_bias else None
+        self.bk = jnp.zeros((kv_heads, head_dim), init.dtype) if with_bias else None
+        self.bv = jnp.zeros((kv_heads, head_dim), init.dtype) if with_bias else None
+        self.bo = jnp.zeros((embed_dim,), init.dtype) if config.bias == "qkvo" else None
         with_norm = config.qk_norm != "none"
         norm = dict(eps=eps, dtype=init.dtype, stats_dtype=stats_dtype)
-        self.q_norm = RMSNorm(head_dim, **norm) if with_norm else None
-        self.k_norm = RMSNorm(head_dim, **norm) if with_norm else None
+        whole = config.qk_norm_scope == "projection"
+        self.q_norm = RMSNorm(heads * head_dim if whole else head_dim, **norm) if with_norm else None
+        self.k_norm = RMSNorm(kv_heads * head_dim if whole else head_dim, **norm) if with_norm else None
         self.lora = None
         self.config = config
 
@@ -203,12 +224,17 @@ class Attention(Layer):
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
         q, k, v = (
-            adapted(flat, w, self.lora, name, key).reshape(batch, seq, *w.shape[1:])
-            for w, name in ((self.wq, "q"), (self.wk, "k"), (self.wv, "v"))
+            _with_bias(adapted(flat, w, self.lora, name, key), bias).reshape(batch, seq, *w.shape[1:])
+            for w, bias, name in ((self.wq, self.bq, "q"), (self.wk, self.bk, "k"), (self.wv, self.bv, "v"))
         )
-        layout, placement = self.config.rope_layout, self.config.qk_norm
-        if placement == "before_rope":
+        config = self.config
+        layout, placement = config.rope_layout, config.qk_norm
+        if placement == "before_rope" and config.qk_norm_scope == "projection":
+            q, k = _whole(self.q_norm, q), _whole(self.k_norm, k)
+        elif placement == "before_rope":
             q, k = self.q_norm(q), self.k_norm(k)
+        if config.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -config.clip_qkv, config.clip_qkv) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
         if placement == "after_rope":
             q, k = _scale(self.q_norm(q), q.shape[-1] ** -0.5), self.k_norm(k)
@@ -224,7 +250,7 @@ class Attention(Layer):
         backend = _resolve(self.config, mask, q.dtype)
         out = backend(q, k, v, mask, scale=scale, block_size=self.config.block_size)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
-        return adapted(out, self.wo, self.lora, "o", key).reshape(batch, seq, -1)
+        return _with_bias(adapted(out, self.wo, self.lora, "o", key), self.bo).reshape(batch, seq, -1)
 
     def __call__(
         self,

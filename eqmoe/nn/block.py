@@ -133,7 +133,7 @@ class Block(Layer):
             if pad_to_groups:
                 h, stats = _moe_padded(self.ffn, h, token_mask)
             else:
-                h, stats = self.ffn(h, token_mask, token_domains, segment_ids)
+                h, stats = self.ffn(h, token_mask, token_domains, segment_ids, key=key)
         else:
             h, stats = self.ffn(h, key), None
         return PLACEMENTS.get(self.placement).residual(x, h, self.post_norm), stats

@@ -143,12 +143,19 @@ def _rotate_pairs(x: Float[Array, "... head_dim"]) -> Float[Array, "... head_dim
 
 def apply_rope(
     x: Float[Array, "*batch seq heads head_dim"],
-    cos: Float[Array, "*batch seq head_dim"],
-    sin: Float[Array, "*batch seq head_dim"],
+    cos: Float[Array, "*batch seq rotary_dim"],
+    sin: Float[Array, "*batch seq rotary_dim"],
     layout: str = "half_split",
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """``x * cos + rotate(x) * sin``: half-split rotates dimension ``i`` with ``i + D/2`` (HF "rotate_half",
-    MaxText); interleaved rotates ``(2i, 2i+1)`` together (AXLearn, GPT-J, RoFormer)."""
+    MaxText); interleaved rotates ``(2i, 2i+1)`` together (AXLearn, GPT-J, RoFormer).
+
+    Tables narrower than the head (``rotary_dim < head_dim``: partial RoPE) rotate the first ``rotary_dim``
+    dimensions as a head of that width and pass the rest through unchanged."""
     rotate = _rotate_half if layout == "half_split" else _rotate_pairs
     cos, sin = cos[..., None, :], sin[..., None, :]
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        rotated, passed = x[..., :rotary], x[..., rotary:]
+        return jnp.concatenate([rotated * cos + rotate(rotated) * sin, passed], axis=-1)
     return x * cos + rotate(x) * sin

@@ -42,53 +42,96 @@ class Routing(NamedTuple):
 # ``bias`` (aux-loss-free balancing) shifts which experts are chosen, never their weights.
 
 
+class ExpertGroups(NamedTuple):
+    """Group-limited routing (``RouterConfig.expert_groups``, ``expert_groups_kept``): ``count`` contiguous
+    groups of experts, only the ``kept`` best of which a token may choose from."""
+
+    count: int = 1
+    kept: int | None = None
+
+    @property
+    def limits(self) -> bool:
+        return self.count > 1 and self.kept is not None and self.kept < self.count
+
+
+def _limit_to_best_groups(choice: Float[Array, "tokens experts"], groups: ExpertGroups) -> Float[Array, "tokens experts"]:
+    """DeepSeek-V3: each group scores the sum of its two best choice scores; the experts outside the
+    ``groups.kept`` best groups get ``-inf`` so the top-k never picks them."""
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, groups.count, experts // groups.count)
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+    _, best = jax.lax.top_k(group_scores, groups.kept)
+    keep = jax.nn.one_hot(best, groups.count, dtype=jnp.int32).sum(axis=1) > 0
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
+
+
 def _select(
-    scores: Float[Array, "tokens experts"], top_k: int, bias: Float[Array, " experts"] | None
+    scores: Float[Array, "tokens experts"],
+    top_k: int,
+    bias: Float[Array, " experts"] | None,
+    groups: ExpertGroups = ExpertGroups(),
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """The ``top_k`` experts by ``scores + bias`` and their (unbiased) scores, best first."""
-    if bias is None:
+    """The ``top_k`` experts by ``scores + bias`` (among the best groups' experts with ``groups``) and their
+    (unbiased) scores, best first."""
+    if bias is None and not groups.limits:
         weights, experts = jax.lax.top_k(scores, top_k)
         return weights, experts
-    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias).astype(scores.dtype), top_k)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
+    if groups.limits:
+        choice = _limit_to_best_groups(jax.lax.stop_gradient(choice), groups)
+    _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
     return jnp.take_along_axis(scores, experts, axis=-1), experts
 
 
 def softmax_top_k(
-    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool, bias: Float[Array, " experts"] | None = None
+    logits: Float[Array, "tokens experts"],
+    top_k: int,
+    renormalize: bool,
+    bias: Float[Array, " experts"] | None = None,
+    groups: ExpertGroups = ExpertGroups(),
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """HF Qwen3MoeTopKRouter: ``p = softmax(logits)`` in float32, the ``top_k`` largest, divided by
     their sum when ``renormalize`` (``norm_topk_prob``). With ``top_k=1`` and no renormalisation this
     is Switch routing: the weight is the raw probability, so the LM loss trains the router."""
-    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k, bias)
+    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k, bias, groups)
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights, experts
 
 
 def top_k_softmax(
-    logits: Float[Array, "tokens experts"], top_k: int, bias: Float[Array, " experts"] | None = None
+    logits: Float[Array, "tokens experts"],
+    top_k: int,
+    bias: Float[Array, " experts"] | None = None,
+    groups: ExpertGroups = ExpertGroups(),
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """MaxText: the ``top_k`` largest logits, softmax over those only. With ``top_k=1`` the weight is
     exactly 1.0, so the router gets no gradient from the LM loss (only from auxiliary losses)."""
-    top_logits, experts = _select(logits.astype(jnp.float32), top_k, bias)
+    top_logits, experts = _select(logits.astype(jnp.float32), top_k, bias, groups)
     return jax.nn.softmax(top_logits, axis=-1), experts
 
 
 def top2_gating(
-    logits: Float[Array, "tokens experts"], bias: Float[Array, " experts"] | None = None
+    logits: Float[Array, "tokens experts"],
+    bias: Float[Array, " experts"] | None = None,
+    groups: ExpertGroups = ExpertGroups(),
 ) -> tuple[Float[Array, "tokens 2"], Int[Array, "tokens 2"]]:
     """AXLearn Top2Gating: ``p = softmax(logits)``; expert 1 = argmax p, expert 2 = argmax of the rest;
     ``g_i = p_i / (p_1 + p_2 + 1e-9)``."""
-    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2, bias)
+    weights, experts = _select(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2, bias, groups)
     return weights / (weights.sum(axis=-1, keepdims=True) + 1e-9), experts
 
 
 def sigmoid_top_k(
-    logits: Float[Array, "tokens experts"], top_k: int, renormalize: bool, bias: Float[Array, " experts"] | None = None
+    logits: Float[Array, "tokens experts"],
+    top_k: int,
+    renormalize: bool,
+    bias: Float[Array, " experts"] | None = None,
+    groups: ExpertGroups = ExpertGroups(),
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """DeepSeek-V3: independent scores ``s = sigmoid(logits)``, the ``top_k`` largest (by ``s + bias``),
     divided by their sum (plus 1e-20) when ``renormalize``."""
-    weights, experts = _select(jax.nn.sigmoid(logits.astype(jnp.float32)), top_k, bias)
+    weights, experts = _select(jax.nn.sigmoid(logits.astype(jnp.float32)), top_k, bias, groups)
     if renormalize:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return weights, experts
@@ -124,11 +167,21 @@ def _needs_top_k_2(config: RouterConfig) -> None:
         raise ValueError(f"RouterConfig.top_k={config.top_k!r} is invalid; allowed: 2 with strategy='top2_gating'")
 
 
+def expert_groups(config: RouterConfig) -> ExpertGroups:
+    return ExpertGroups(config.expert_groups, config.expert_groups_kept)
+
+
 STRATEGIES: Registry[Strategy] = Registry("router strategy")
-STRATEGIES.register("softmax_top_k", Strategy(lambda x, c, bias: softmax_top_k(x, c.top_k, c.renormalize, bias)))
-STRATEGIES.register("top_k_softmax", Strategy(lambda x, c, bias: top_k_softmax(x, c.top_k, bias)))
-STRATEGIES.register("top2_gating", Strategy(lambda x, c, bias: top2_gating(x, bias), check=_needs_top_k_2))
-STRATEGIES.register("sigmoid_top_k", Strategy(lambda x, c, bias: sigmoid_top_k(x, c.top_k, c.renormalize, bias)))
+STRATEGIES.register(
+    "softmax_top_k", Strategy(lambda x, c, b: softmax_top_k(x, c.top_k, c.renormalize, b, expert_groups(c)))
+)
+STRATEGIES.register("top_k_softmax", Strategy(lambda x, c, b: top_k_softmax(x, c.top_k, b, expert_groups(c))))
+STRATEGIES.register(
+    "top2_gating", Strategy(lambda x, c, b: top2_gating(x, b, expert_groups(c)), check=_needs_top_k_2)
+)
+STRATEGIES.register(
+    "sigmoid_top_k", Strategy(lambda x, c, b: sigmoid_top_k(x, c.top_k, c.renormalize, b, expert_groups(c)))
+)
 
 
 # --- capacity ------------------------------------------------------------------------------------------

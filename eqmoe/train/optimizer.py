@@ -59,7 +59,7 @@ class OptimizerConfig:
     decay_scaled_by_schedule: bool = False
     """AXLearn convention: decay scaled by lr_t / lr_peak instead of by lr_t."""
     decay_norms: bool = False
-    """Also decay RMSNorm scales."""
+    """Also decay RMSNorm scales and biases."""
     clip_norm: float | None = 1.0
     """Clip gradients to this global norm (None: no clipping)."""
     mup_base_dim: int | None = None
@@ -152,8 +152,9 @@ def _check_declared(params) -> None:
 
 
 def decays(config: OptimizerConfig, role: Role) -> bool:
-    """Whether weight decay applies: every parameter but the norm scales (unless ``decay_norms``)."""
-    return config.decay_norms or role is not Role.NORM
+    """Whether weight decay applies: every parameter but the norm scales and biases (unless ``decay_norms``),
+    as transformers' Trainer leaves them out."""
+    return config.decay_norms or role not in (Role.NORM, Role.BIAS)
 
 
 class _CountState(NamedTuple):
