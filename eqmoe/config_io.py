@@ -96,6 +96,14 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
                 owner, parent = getattr(owner, name), parent[name]
         expected = typing.get_type_hints(type(owner))[names[-1]]
         value = tuple(value) if isinstance(value, list) else value
+        nested = [t for t in (expected, *typing.get_args(expected)) if dataclasses.is_dataclass(t)]
+        if isinstance(value, dict) and nested:  # a JSON object for a nested config, e.g. attention.rope_scaling
+            try:
+                nested[0](**value)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"override {path}={value!r}: {error}") from None
+            parent[names[-1]] = value
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and not is_bearable(value, expected):
             value = float(value)
         if not is_bearable(value, expected):

@@ -54,6 +54,19 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ffn-norm-hybrid": {"norm.ffn_placement": "hybrid"},
     "qk-norm-off": {"attention.qk_norm": "none"},
     "qk-norm-after-rope": {"attention.qk_norm": "after_rope"},
+    # What the other families bring, on the same base (their published choices in the comments):
+    "qk-norm-whole-projection": {"attention.qk_norm_scope": "projection"},  # OLMoE
+    "attention-qkv-bias": {"attention.bias": "qkv"},  # Qwen2-MoE, GLM-4.5
+    "partial-rope-half": {"attention.rotary_dim": 8},  # GLM-4.5: half of each 16-wide head rotates
+    "shared-expert": {"moe.shared_experts": 1},  # GLM-4.5, DeepSeek: one always-on expert of the routed width
+    "shared-expert-gated": {"moe.shared_experts": 1, "moe.shared_expert_gate": True},  # Qwen2-MoE
+    "group-limited-sigmoid": {  # GLM-4.5 / DeepSeek-V3 routing: 4 groups of 2 experts, the best 2 groups eligible
+        "moe.router.strategy": "sigmoid_top_k",
+        "moe.router.bias_update_rate": 0.001,
+        "moe.router.expert_groups": 4,
+        "moe.router.expert_groups_kept": 2,
+        "loss.load_balance_weight": 0.0,
+    },
 }
 
 

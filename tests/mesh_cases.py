@@ -67,13 +67,35 @@ def _loss_and_grads(model, batch):
     return float(loss), jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("variant", ["dropless", "capacity"])
+# The decoder fields the other families add, all at once: OLMoE's attention (biases on q/k/v/o, the norm over
+# the whole projection, clip_qkv), GLM-4.5's partial RoPE and group-limited sigmoid routing with a selection
+# bias, Qwen2-MoE's gated shared expert.
+FAMILY_FIELDS = {
+    "attention.bias": "qkvo",
+    "attention.qk_norm_scope": "projection",
+    "attention.clip_qkv": 2.0,
+    "attention.rotary_dim": 8,
+    "moe.shared_experts": 1,
+    "moe.shared_expert_gate": True,
+    "moe.router.strategy": "sigmoid_top_k",
+    "moe.router.bias_update_rate": 0.001,
+    "moe.router.expert_groups": 4,
+    "moe.router.expert_groups_kept": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "variant"),
+    [(mesh, variant) for mesh in MESHES for variant in ("dropless", "capacity")]
+    + [("data=2,expert=4", "family-fields"), ("data=2,tensor=2,expert=2", "family-fields")],
+)
 def test_one_step_on_a_mesh_matches_one_device(mesh, variant):
     config = presets.get("qwen3-moe-micro")
     if variant == "capacity":
         overrides = {"moe.router.strategy": "top2_gating", "moe.router.capacity_factor": 2.0}
         config = apply_overrides(config, {**overrides, "moe.router.num_groups": 2})
+    if variant == "family-fields":
+        config = apply_overrides(config, FAMILY_FIELDS)
     model = Transformer(config, key=jax.random.key(0))
     loss, grads = _loss_and_grads(model, _batch(None))
     p = parallel.make_parallelism(mesh)

@@ -54,7 +54,9 @@ class ExpertGroups(NamedTuple):
         return self.count > 1 and self.kept is not None and self.kept < self.count
 
 
-def _limit_to_best_groups(choice: Float[Array, "tokens experts"], groups: ExpertGroups) -> Float[Array, "tokens experts"]:
+def _limit_to_best_groups(
+    choice: Float[Array, "tokens experts"], groups: ExpertGroups
+) -> Float[Array, "tokens experts"]:
     """DeepSeek-V3: each group scores the sum of its two best choice scores; the experts outside the
     ``groups.kept`` best groups get ``-inf`` so the top-k never picks them."""
     tokens, experts = choice.shape
@@ -176,9 +178,7 @@ STRATEGIES.register(
     "softmax_top_k", Strategy(lambda x, c, b: softmax_top_k(x, c.top_k, c.renormalize, b, expert_groups(c)))
 )
 STRATEGIES.register("top_k_softmax", Strategy(lambda x, c, b: top_k_softmax(x, c.top_k, b, expert_groups(c))))
-STRATEGIES.register(
-    "top2_gating", Strategy(lambda x, c, b: top2_gating(x, b, expert_groups(c)), check=_needs_top_k_2)
-)
+STRATEGIES.register("top2_gating", Strategy(lambda x, c, b: top2_gating(x, b, expert_groups(c)), check=_needs_top_k_2))
 STRATEGIES.register(
     "sigmoid_top_k", Strategy(lambda x, c, b: sigmoid_top_k(x, c.top_k, c.renormalize, b, expert_groups(c)))
 )
