@@ -69,6 +69,15 @@ def config_from_dict(values: dict) -> ModelConfig:
         raise ValueError(f"not a ModelConfig dictionary: {error}") from None
 
 
+def _typed(path: str, value: object, expected: object, is_bearable) -> object:
+    """``value`` if it is an ``expected``, an integer as a float where a float is expected; else a ``ValueError``."""
+    if isinstance(value, int) and not isinstance(value, bool) and not is_bearable(value, expected):
+        value = float(value)
+    if not is_bearable(value, expected):
+        raise ValueError(f"override {path}={value!r}: not a valid {expected}")
+    return value
+
+
 def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelConfig:
     """``config`` with dotted fields replaced, e.g. ``{"moe.router.top_k": 1, "norm.ffn_placement": "post"}``.
 
@@ -98,16 +107,19 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
         value = tuple(value) if isinstance(value, list) else value
         nested = [t for t in (expected, *typing.get_args(expected)) if dataclasses.is_dataclass(t)]
         if isinstance(value, dict) and nested:  # a JSON object for a nested config, e.g. attention.rope_scaling
-            try:
-                nested[0](**value)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"override {path}={value!r}: {error}") from None
-            parent[names[-1]] = value
+            kind = nested[0]
+            hints, fields = typing.get_type_hints(kind), sorted(f.name for f in dataclasses.fields(kind))
+            converted = {}
+            for key, item in value.items():
+                if key not in fields:
+                    raise ValueError(
+                        f"override {path}: {kind.__name__} has no field {key!r}; fields: {', '.join(fields)}"
+                    )
+                converted[key] = _typed(f"{path}.{key}", item, hints[key], is_bearable)
+            parent[names[-1]] = converted
+            at_fault[f"{kind.__name__}."] = f"{path}={value!r}"
             continue
-        if isinstance(value, int) and not isinstance(value, bool) and not is_bearable(value, expected):
-            value = float(value)
-        if not is_bearable(value, expected):
-            raise ValueError(f"override {path}={value!r}: not a valid {expected}")
+        value = _typed(path, value, expected, is_bearable)
         parent[names[-1]] = value
         at_fault[f"{type(owner).__name__}.{names[-1]}={value!r} is invalid"] = f"{path}={value!r}"
     try:

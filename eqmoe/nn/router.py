@@ -54,6 +54,9 @@ class ExpertGroups(NamedTuple):
         return self.count > 1 and self.kept is not None and self.kept < self.count
 
 
+NO_GROUPS = ExpertGroups()
+
+
 def _limit_to_best_groups(
     choice: Float[Array, "tokens experts"], groups: ExpertGroups
 ) -> Float[Array, "tokens experts"]:
@@ -71,7 +74,7 @@ def _select(
     scores: Float[Array, "tokens experts"],
     top_k: int,
     bias: Float[Array, " experts"] | None,
-    groups: ExpertGroups = ExpertGroups(),
+    groups: ExpertGroups = NO_GROUPS,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """The ``top_k`` experts by ``scores + bias`` (among the best groups' experts with ``groups``) and their
     (unbiased) scores, best first."""
@@ -90,7 +93,7 @@ def softmax_top_k(
     top_k: int,
     renormalize: bool,
     bias: Float[Array, " experts"] | None = None,
-    groups: ExpertGroups = ExpertGroups(),
+    groups: ExpertGroups = NO_GROUPS,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """HF Qwen3MoeTopKRouter: ``p = softmax(logits)`` in float32, the ``top_k`` largest, divided by
     their sum when ``renormalize`` (``norm_topk_prob``). With ``top_k=1`` and no renormalisation this
@@ -105,7 +108,7 @@ def top_k_softmax(
     logits: Float[Array, "tokens experts"],
     top_k: int,
     bias: Float[Array, " experts"] | None = None,
-    groups: ExpertGroups = ExpertGroups(),
+    groups: ExpertGroups = NO_GROUPS,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """MaxText: the ``top_k`` largest logits, softmax over those only. With ``top_k=1`` the weight is
     exactly 1.0, so the router gets no gradient from the LM loss (only from auxiliary losses)."""
@@ -116,7 +119,7 @@ def top_k_softmax(
 def top2_gating(
     logits: Float[Array, "tokens experts"],
     bias: Float[Array, " experts"] | None = None,
-    groups: ExpertGroups = ExpertGroups(),
+    groups: ExpertGroups = NO_GROUPS,
 ) -> tuple[Float[Array, "tokens 2"], Int[Array, "tokens 2"]]:
     """AXLearn Top2Gating: ``p = softmax(logits)``; expert 1 = argmax p, expert 2 = argmax of the rest;
     ``g_i = p_i / (p_1 + p_2 + 1e-9)``."""
@@ -129,7 +132,7 @@ def sigmoid_top_k(
     top_k: int,
     renormalize: bool,
     bias: Float[Array, " experts"] | None = None,
-    groups: ExpertGroups = ExpertGroups(),
+    groups: ExpertGroups = NO_GROUPS,
 ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """DeepSeek-V3: independent scores ``s = sigmoid(logits)``, the ``top_k`` largest (by ``s + bias``),
     divided by their sum (plus 1e-20) when ``renormalize``."""
