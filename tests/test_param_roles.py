@@ -35,6 +35,10 @@ def _variants() -> dict[str, ModelConfig]:
     configs["qwen3-moe-micro+router-bias"] = micro.replace(moe=dataclasses.replace(micro.moe, router=router))
     dense_first = segments_from_kinds(("dense", "moe", "moe", "dense"))
     configs["qwen3-moe-micro+dense-layers"] = micro.replace(layers=dense_first)
+    attention = dataclasses.replace(micro.attention, bias="qkvo", qk_norm_scope="projection", rotary_dim=8)
+    shared = dataclasses.replace(micro.moe, shared_experts=2, shared_expert_dim=32, shared_expert_gate=True)
+    configs["qwen3-moe-micro+biases-projection-norm"] = micro.replace(attention=attention)
+    configs["qwen3-moe-micro+shared-experts"] = micro.replace(moe=shared)
     return configs
 
 

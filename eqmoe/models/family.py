@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from eqmoe.config import ModelConfig
+from eqmoe.config import AttentionConfig, ModelConfig
 from eqmoe.registry import Registry
 
 
@@ -64,9 +64,10 @@ def outer_names(config: ModelConfig) -> list[TensorName]:
     return names
 
 
-def attention_names(prefix: str, block: tuple, repeat: int) -> list[TensorName]:
-    """A decoder layer's two norms and q/k/v/o projections (``prefix``: ``model.layers.{i}.``)."""
-    return [
+def attention_names(prefix: str, block: tuple, repeat: int, attention: AttentionConfig) -> list[TensorName]:
+    """A decoder layer's two norms and attention (``prefix``: ``model.layers.{i}.``): q/k/v/o projections, the
+    QK-norm scales and the projection biases ``attention`` has, in the names transformers' decoders share."""
+    names = [
         TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (repeat,)),
         TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (repeat,)),
         TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (repeat,), 1),
@@ -74,6 +75,25 @@ def attention_names(prefix: str, block: tuple, repeat: int) -> list[TensorName]:
         TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (repeat,), 1),
         TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (repeat,), 2),
     ]
+    if attention.qk_norm != "none":
+        for norm in ("q_norm", "k_norm"):
+            names.append(
+                TensorName(prefix + f"self_attn.{norm}.weight", (*block, "attention", norm, "weight"), (repeat,))
+            )
+    biased = {"none": "", "qkv": "qkv", "qkvo": "qkvo"}[attention.bias]
+    for proj in biased:  # q/k/v biases are per head in the model, flat [heads * head_dim] in the checkpoint
+        key = prefix + f"self_attn.{proj}_proj.bias"
+        names.append(TensorName(key, (*block, "attention", f"b{proj}"), (repeat,), flat=proj != "o"))
+    return names
+
+
+SWIGLU_NAMES = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+
+
+def swiglu_names(prefix: str, path: tuple, index: tuple[int, ...]) -> list[TensorName]:
+    """The gate/up/down projections of the SwiGLU at ``path`` (a dense FFN, one routed expert with its index,
+    a shared expert), under ``prefix`` (``model.layers.{i}.mlp.``) in transformers' names."""
+    return [TensorName(f"{prefix}{hub}.weight", (*path, leaf), index, 1) for hub, leaf in SWIGLU_NAMES]
 
 
 def _no_hf_format(name: str) -> Callable[..., Any]:

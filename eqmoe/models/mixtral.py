@@ -239,7 +239,7 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     for layer, s, r, u, _kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
-        names += attention_names(prefix, block, r)
+        names += attention_names(prefix, block, r, config.attention)
         names.append(TensorName(prefix + "block_sparse_moe.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
         for j in range(config.moe.router.num_experts):
             for hub, leaf in _EXPERT_WEIGHTS:

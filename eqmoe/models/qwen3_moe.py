@@ -14,7 +14,15 @@ from eqmoe.config import (
     segments_from_kinds,
 )
 from eqmoe.models import hf_config
-from eqmoe.models.family import Family, TensorName, attention_names, layer_slots, outer_names, register
+from eqmoe.models.family import (
+    Family,
+    TensorName,
+    attention_names,
+    layer_slots,
+    outer_names,
+    register,
+    swiglu_names,
+)
 from eqmoe.models.hf_config import COMMON_IRRELEVANT_FIELDS, FieldList, positive_integers, require, rope_to_hf
 
 NAME = "qwen3_moe"
@@ -259,24 +267,13 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     for layer, s, r, u, kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
-        names += attention_names(prefix, block, r)
-        if config.attention.qk_norm != "none":
-            names += [
-                TensorName(prefix + "self_attn.q_norm.weight", (*block, "attention", "q_norm", "weight"), (r,)),
-                TensorName(prefix + "self_attn.k_norm.weight", (*block, "attention", "k_norm", "weight"), (r,)),
-            ]
+        names += attention_names(prefix, block, r, config.attention)
         if kind == "dense":
-            for proj, leaf, in_dims in (("gate", "w_gate", 1), ("up", "w_up", 1), ("down", "w_down", 1)):
-                names.append(TensorName(prefix + f"mlp.{proj}_proj.weight", (*block, "ffn", leaf), (r,), in_dims))
+            names += swiglu_names(prefix + "mlp.", (*block, "ffn"), (r,))
             continue
         names.append(TensorName(prefix + "mlp.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
         for j in range(num_experts):
-            for proj, leaf in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
-                names.append(
-                    TensorName(
-                        prefix + f"mlp.experts.{j}.{proj}_proj.weight", (*block, "ffn", "experts", leaf), (r, j), 1
-                    )
-                )
+            names += swiglu_names(prefix + f"mlp.experts.{j}.", (*block, "ffn", "experts"), (r, j))
     return names
 
 

@@ -215,8 +215,8 @@ class Attention(Layer):
     def _project(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         key: PRNGKeyArray | None = None,
     ) -> tuple[Queries, KeysOrValues, KeysOrValues]:
         """Queries, keys and values, normed and rotated, head-major (queries pre-scaled with ``after_rope``)."""
@@ -255,8 +255,8 @@ class Attention(Layer):
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq embed"]:
@@ -266,8 +266,8 @@ class Attention(Layer):
     def decode(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         cache: LayerCache,
         index: Int[Array, ""],

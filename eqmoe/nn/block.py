@@ -85,8 +85,8 @@ class Block(Layer):
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
@@ -101,8 +101,8 @@ class Block(Layer):
     def decode(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         cache: LayerCache,

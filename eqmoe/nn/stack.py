@@ -50,8 +50,8 @@ class RepeatedUnit(Layer):
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         token_domains: Float[Array, "batch seq domains"] | None = None,
@@ -69,8 +69,8 @@ class RepeatedUnit(Layer):
     def decode(
         self,
         x: Float[Array, "batch seq embed"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
         mask: AttentionMask,
         token_mask: Bool[Array, "batch seq"],
         cache: tuple[LayerCache, ...],
