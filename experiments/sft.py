@@ -295,6 +295,11 @@ def run(args: Args) -> dict:
     seq_len = args.data.seq_len
     packed = pack(data.train, seq_len, tokenizer.pad_id, overflow="truncate")
     eval_rows = pack(data.held_out, seq_len, tokenizer.pad_id, overflow="truncate").rows
+    if not packed.rows.loss_mask.any():
+        raise UsageError(
+            f"--seq-len {seq_len}: no training token left: all {packed.too_long} truncated conversations lose every "
+            "answer token; raise --seq-len"
+        )
     dataset = PackedDataset(packed.rows)
     print(
         f"data: {data.note}; {packed.num_conversations} packed into {len(dataset)} rows of {seq_len} "

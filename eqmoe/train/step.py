@@ -98,7 +98,9 @@ def make_train_step(
     """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated.
 
     After the optimizer update, routers with a selection bias are rebalanced from this batch's loads
-    (:func:`eqmoe.train.balance.update_router_biases`)."""
+    (:func:`eqmoe.train.balance.update_router_biases`), unless the router is frozen (``--freeze router``, or the
+    base of a LoRA model): the bias decides routing as much as the router's weights do, and a PEFT adapter
+    folder could not carry a moved one."""
 
     return eqx.filter_jit(train_step_fn(optimizer, schedule, trained), donate="all-except-first")
 
@@ -134,7 +136,7 @@ def train_step_fn(
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
-        if expert_counts is not None:
+        if expert_counts is not None and trained(Role.ROUTER):
             model = update_router_biases(model, expert_counts)
         terms["grad_norm"] = optax.tree.norm(grads)
         terms["learning_rate"] = schedule(state.step)

@@ -1,0 +1,90 @@
+"""Every Hugging Face family through the commands a user runs, with no family named outside its file: convert to
+an eqmoe checkpoint, check_logits against transformers, generate, LoRA SFT from the HF folder, and both exports
+(merged weights that transformers loads, a PEFT adapter folder that peft puts on the transformers base)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.model_checkpoint import load_model
+from experiments import check_logits, convert, generate, sft
+from tests.test_convert import _word_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+
+def _saver(family: str):
+    from tests import test_glm4_moe, test_mixtral, test_olmoe, test_qwen2_moe
+
+    return {
+        "mixtral": test_mixtral.save_tiny_mixtral,
+        "olmoe": test_olmoe.save_tiny_olmoe,
+        "qwen2_moe": test_qwen2_moe.save_tiny_qwen2_moe,
+        "glm4_moe": test_glm4_moe.save_tiny_glm,
+    }[family]
+
+
+def _logits(model, ids: np.ndarray) -> np.ndarray:
+    return np.asarray(eqx.filter_jit(lambda m, t: m(t).logits)(model, jnp.asarray(ids)))
+
+
+def _reference_logits(folder, ids: np.ndarray, adapter=None) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.numpy()
+
+
+# LoRA targets: attention and routed experts everywhere; the dense FFNs too where a family has them (Qwen2-MoE's
+# shared experts, GLM-4.5's dense first layer and shared experts).
+TARGETS = {
+    "mixtral": ("attention", "experts"),
+    "olmoe": ("attention", "experts"),
+    "qwen2_moe": ("attention", "experts", "mlp"),
+    "glm4_moe": ("attention", "experts", "mlp"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")  # PEFT's, spurious
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path, capsys):
+    _saver(family)(tmp_path / "hf", vocab_size=300, num_hidden_layers=2, initializer_range=0.3, eos_token_id=1)
+    _word_tokenizer(tmp_path / "hf" / "tokenizer.json", 300)
+    assert hf.read_config(tmp_path / "hf").family == family
+
+    assert convert.main(convert.Args(hf=tmp_path / "hf", out=tmp_path / "ckpt")) == 0
+    assert check_logits.main(check_logits.Args(hf=tmp_path / "hf", checkpoint=tmp_path / "ckpt")) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert generate.main(generate.Args(prompt="3 4 5", checkpoint=tmp_path / "ckpt", max_new_tokens=3)) == 0
+    assert capsys.readouterr().out.split()[:3] == ["3", "4", "5"]
+
+    # LoRA SFT from the HF folder, router frozen
+    run = sft.RunOptions(steps=4, out_dir=tmp_path / "run", checkpoint_every=4, eval_every=1000, log_every=2, samples=0)
+    args = sft.Args(
+        model=sft.ModelOptions(init_from_hf=tmp_path / "hf", lora_rank=4, lora_targets=TARGETS[family]),
+        data=sft.DataOptions(seq_len=64, batch_size=4, train_examples=40, eval_examples=4),
+        optim=dataclasses.replace(sft.Args().optim, learning_rate=1e-2, warmup_steps=1, freeze=("router",)),
+        run=run,
+    )
+    too_short = dataclasses.replace(args, data=dataclasses.replace(args.data, seq_len=8))
+    assert sft.main(too_short) == 2 and "no training token left" in capsys.readouterr().err
+    assert sft.main(args) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    trained, _ = load_model(checkpoints)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 40))
+    ours = _logits(trained, ids)
+    assert np.abs(ours - _logits(hf.load(tmp_path / "hf"), ids)).max() > 1e-3  # the adapters changed something
+
+    assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "merged")) == 0
+    np.testing.assert_allclose(_reference_logits(tmp_path / "merged", ids), ours, atol=1e-4)
+    assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "adapter", adapter_only=True)) == 0
+    np.testing.assert_allclose(_reference_logits(tmp_path / "hf", ids, tmp_path / "adapter"), ours, atol=1e-4)
