@@ -43,7 +43,7 @@ DEFAULT_PROMPTS = (
 @dataclass(frozen=True)
 class Args:
     hf: Path
-    """Hugging Face Qwen3-MoE folder: the reference, run by transformers."""
+    """Hugging Face folder (any registered family): the reference, run by transformers."""
     candidate: Path | None = None
     """Hugging Face folder eqmoe runs (default: --hf, converted on the fly), e.g. one exported after fine-tuning."""
     checkpoint: Path | None = None

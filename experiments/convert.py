@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Qwen3-MoE folders and eqmoe (orbax) model checkpoints.
+"""Convert between Hugging Face folders (any registered family) and eqmoe (orbax) model checkpoints.
 
     python -m experiments.convert --hf path/to/Qwen3-30B-A3B --out ckpt/qwen3-30b   # HF -> eqmoe
     python -m experiments.convert --checkpoint ckpt/qwen3-30b --to-hf out/qwen3-30b  # eqmoe -> HF
@@ -35,7 +35,7 @@ from experiments._cli import UsageError, guarded
 @dataclass(frozen=True)
 class Args:
     hf: Path | None = None
-    """Hugging Face Qwen3-MoE folder to convert to an eqmoe checkpoint (with --out)."""
+    """Hugging Face folder (any registered family) to convert to an eqmoe checkpoint (with --out)."""
     out: Path | None = None
     """eqmoe checkpoint folder to write (with --hf)."""
     checkpoint: Path | None = None

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning (SFT) of a Qwen3-MoE on chat data: the main job.
+"""Supervised fine-tuning (SFT) of a MoE model on chat data: the main job.
 
     python -m experiments.sft                                   # tiny model, built-in tasks, ~3 min on CPU
     python -m experiments.sft --init-from-hf DIR --tokenizer DIR --data chats.parquet
@@ -61,7 +61,7 @@ class ModelOptions:
     preset: str = "qwen3-moe-micro"
     """Model preset to train from scratch (ignored with --init-from-hf)."""
     init_from_hf: Path | None = None
-    """Start from this Hugging Face Qwen3-MoE folder (config.json + safetensors) instead of a preset."""
+    """Start from this Hugging Face folder of any registered family (config.json + safetensors) instead of a preset."""
     init_from_checkpoint: Path | None = None
     """Start from this eqmoe checkpoint (experiments.convert output or another run's checkpoints folder)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -176,6 +176,7 @@ def _moe_bytes_per_token(config: ModelConfig, p: parallel.Parallelism, tokens: i
     router = moe.router
     k, experts, f = router.top_k, router.num_experts, _split(moe.expert_dim, p.size("tensor"))
     routing = c * 2 * d + 4 * 3 * experts  # the FFN input and its norm; logits, probabilities, choices
+    routing += c * 3 * _split(moe.shared_width, p.size("tensor"))  # shared experts: a dense SwiGLU's gate/up/act
     name = backend_name(moe)  # an unregistered backend raises here, naming the registered ones
     if router.capacity_factor is None and name != "dense" and p.size("expert") > 1:
         # Expert parallel: send and receive buffers padded to P * T*k rows, local compute on all of them.
