@@ -110,6 +110,29 @@ def test_logits_match_transformers_beyond_the_original_context(tmp_path, case):
     assert np.abs(logits - expected).max() <= 1e-4
 
 
+def test_yarn_loss_aux_loss_and_gradients_match_transformers(tmp_path):
+    """Qwen3's documented long-context setting: yarn, 200-token padded rows past the 64-token original context."""
+    import jax
+
+    from tests.test_qwen3_parity import _our_loss, _reference_gradients
+
+    rope = {**PARAMETERS["yarn-mscale"], "rope_theta": 10000.0}
+    save_tiny_hf(tmp_path, seed=6, max_position_embeddings=256, rope_parameters=rope, router_aux_loss_coef=0.05)
+    reference, model = load_reference(tmp_path), hf.load(tmp_path)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 150:] = 0
+    out = reference(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+    out.loss.backward()
+    (loss, terms), grads = jax.value_and_grad(_our_loss(model, ids, mask), has_aux=True)(model)
+    np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(terms["load_balance"]), out.aux_loss.item(), rtol=1e-5)
+    expected, ours = _reference_gradients(reference), hf.state_dict(grads)
+    assert set(ours) == set(expected)
+    for key, value in ours.items():
+        np.testing.assert_allclose(value, expected[key], atol=1e-4, rtol=0, err_msg=key)
+
+
 @pytest.mark.parametrize("case", ["yarn-mscale", "llama3"])
 def test_hf_to_eqmoe_to_hf_keeps_the_rope_fields(tmp_path, case):
     save_tiny_hf(tmp_path / "hf", max_position_embeddings=256, rope_parameters={**PARAMETERS[case], "rope_theta": 1e6})
