@@ -359,26 +359,22 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     router, attention = moe.router, config.attention
     kinds = config.layer_kinds()
     dense_layers = _dense_prefix(kinds)
-    # (field, value, the values transformers' GLM can express)
-    unsupported = [
-        ("layers", "dense, then moe" if dense_layers is not None else kinds, ("dense, then moe",)),
-        ("norm.ffn_placement", config.norm.ffn_placement, ("pre",)),
-        ("norm.stats_dtype", config.norm.stats_dtype, ("float32",)),
-        ("attention.rope_layout", attention.rope_layout, ("half_split",)),
-        ("attention.qk_norm", attention.qk_norm, ("none", "before_rope")),
-        ("attention.qk_norm_scope", attention.qk_norm_scope, ("head",)),
-        ("attention.bias", attention.bias, ("none", "qkv")),
-        ("attention.clip_qkv", attention.clip_qkv, (None,)),
-        ("moe.router.strategy", router.strategy, ("sigmoid_top_k",)),
-        ("moe.router.capacity_factor", router.capacity_factor, (None,)),
-        ("moe.shared_expert_dim", moe.shared_expert_dim or moe.expert_dim, (moe.expert_dim,)),
-        ("moe.shared_expert_gate", moe.shared_expert_gate, (False,)),
-        ("tied_logit_scale", config.tied_logit_scale, ("none",)),
-    ]
-    for name, value, allowed in unsupported:
-        if value not in allowed:
-            choices = " | ".join(map(repr, allowed))
-            raise ValueError(f"{name}={value!r} has no Hugging Face GLM-4.5 MoE equivalent; allowed: {choices}")
+    if dense_layers is None:
+        raise ValueError(f"layers={kinds!r} has no Hugging Face GLM-4.5 MoE equivalent; allowed: 'dense, then moe'")
+    expressible = {
+        "attention.qk_norm": ("none", "before_rope"),
+        "attention.bias": ("none", "qkv"),
+        "attention.rotary_dim": hf_config.ANY,
+        "moe.router.strategy": ("sigmoid_top_k",),
+        "moe.router.renormalize": hf_config.ANY,
+        "moe.router.bias_update_rate": hf_config.ANY,
+        "moe.router.routed_scaling_factor": hf_config.ANY,
+        "moe.router.expert_groups": hf_config.ANY,
+        "moe.router.expert_groups_kept": hf_config.ANY,
+        "moe.shared_experts": hf_config.ANY,
+        "moe.shared_expert_dim": (None, moe.expert_dim),  # one SwiGLU of moe_intermediate_size * n_shared_experts
+    }
+    hf_config.check_expressible(config, "GLM-4.5 MoE", expressible)
     # transformers always holds e_score_correction_bias and a shared SwiGLU; eqmoe holds the bias only with a
     # positive update rate, and a shared SwiGLU only with shared experts
     for name, value in (

@@ -7,12 +7,13 @@ fields it reads, fields that change nothing eqmoe computes, fields fixed at one 
 naming the field and the file, so a refused checkpoint says what to change.
 """
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from eqmoe.config import RopeScaling
+from eqmoe.config import ModelConfig, RopeScaling, field_kind
 
 # What each rope_type's parameters may hold besides rope_type, rope_theta and partial_rotary_factor:
 # key -> (kind, required, nullable), as transformers reads them. A required key's absence is a KeyError in
@@ -83,6 +84,68 @@ class FieldList:
 
     def known(self) -> set[str]:
         return {*self.read, *self.irrelevant, *self.fixed}
+
+
+ANY = None  # in an ``expressible`` map: every value of the field is written to config.json
+
+# Architecture fields every Hugging Face decoder family writes whatever their value (widths, depth, vocabulary,
+# RoPE base and scaling, norm epsilon, the layer layout each family checks itself), and fields that change no
+# computed value: the initialisation, the storage dtype (the export's ``dtype``), the token groups of capacity
+# routing (without capacity, which every family refuses, they change nothing).
+WRITTEN_BY_EVERY_FAMILY = (
+    "vocab_size",
+    "embed_dim",
+    "mlp_dim",
+    "layers",
+    "tie_embeddings",
+    "init",
+    "init_std",
+    "param_dtype",
+    "family",
+    "attention.num_heads",
+    "attention.num_kv_heads",
+    "attention.head_dim",
+    "attention.rope_theta",
+    "attention.rope_scaling",
+    "norm.eps",
+    "moe.expert_dim",
+    "moe.router.num_experts",
+    "moe.router.top_k",
+    "moe.router.num_groups",
+)
+
+
+def _architecture_fields(config: object, prefix: str = "") -> dict[str, tuple[object, dataclasses.Field]]:
+    """``{dotted path: (value, field)}`` of every architecture field of ``config``, nested configs walked into
+    (``rope_scaling`` kept whole: the families write it as one dictionary)."""
+    fields = {}
+    for item in dataclasses.fields(config):
+        if field_kind(config, item.name) != "architecture":
+            continue
+        value, path = getattr(config, item.name), prefix + item.name
+        if dataclasses.is_dataclass(value) and item.name != "rope_scaling":
+            fields.update(_architecture_fields(value, path + "."))
+        else:
+            fields[path] = (value, item)
+    return fields
+
+
+def check_expressible(config: ModelConfig, label: str, expressible: Mapping[str, tuple | None]) -> None:
+    """Refuse, naming the first field, what a family's ``config.json`` cannot express: a field in ``expressible``
+    must hold one of its values (:data:`ANY`: any value), one in :data:`WRITTEN_BY_EVERY_FAMILY` may hold any,
+    and every other architecture field its default, the generic decoder's plain choice. So a field added to the
+    decoder later is refused by every family that has not said how it writes it, never exported silently wrong.
+    """
+    for path, (value, item) in _architecture_fields(config).items():
+        if path in expressible:
+            allowed = expressible[path]
+        elif path in WRITTEN_BY_EVERY_FAMILY:
+            allowed = ANY
+        else:
+            allowed = (item.default,)
+        if allowed is not ANY and value not in allowed:
+            choices = " | ".join(map(repr, allowed))
+            raise ValueError(f"{path}={value!r} has no Hugging Face {label} equivalent; allowed: {choices}")
 
 
 def show(value: object) -> str:

@@ -183,22 +183,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     that transformers' Mixtral cannot express."""
     moe = config.moe
     router = moe.router if moe else None
-    unsupported = [
-        ("layers", "moe" if set(config.layer_kinds()) == {"moe"} else "dense layers", "moe"),
-        ("norm.ffn_placement", config.norm.ffn_placement, "pre"),
-        ("attention.qk_norm", config.attention.qk_norm, "none"),
-        ("attention.rope_layout", config.attention.rope_layout, "half_split"),
-        ("moe.router.strategy", router.strategy if router else "softmax_top_k", "softmax_top_k"),
-        ("moe.router.renormalize", router.renormalize if router else True, True),
-        ("moe.router.capacity_factor", router.capacity_factor if router else None, None),
-        ("moe.router.bias_update_rate", router.bias_update_rate if router else 0.0, 0.0),
-        ("moe.router.routed_scaling_factor", router.routed_scaling_factor if router else 1.0, 1.0),
-        ("norm.stats_dtype", config.norm.stats_dtype, "float32"),
-        ("tied_logit_scale", config.tied_logit_scale, "none"),
-    ]
-    for name, value, allowed in unsupported:
-        if value != allowed:
-            raise ValueError(f"{name}={value!r} has no Hugging Face Mixtral equivalent; allowed: {allowed!r}")
+    if set(config.layer_kinds()) != {"moe"}:
+        raise ValueError("layers='dense layers' has no Hugging Face Mixtral equivalent; allowed: 'moe'")
+    hf_config.check_expressible(config, "Mixtral", {"attention.qk_norm": ("none",)})
     attention = config.attention
     max_positions = attention.rope_scaling.max_position_embeddings if attention.rope_scaling else None
     return {

@@ -219,29 +219,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     router = moe.router if moe else None
     attention = config.attention
     heads = attention.num_heads
-    unsupported = [
-        ("layers", "moe" if set(config.layer_kinds()) == {"moe"} else "dense layers", "moe"),
-        ("norm.ffn_placement", config.norm.ffn_placement, "pre"),
-        ("attention.qk_norm", attention.qk_norm, "before_rope"),
-        ("attention.qk_norm_scope", attention.qk_norm_scope, "projection"),
-        ("attention.rope_layout", attention.rope_layout, "half_split"),
-        ("attention.rotary_dim", attention.rotary_dim, None),
-        ("moe.router.strategy", router.strategy if router else "softmax_top_k", "softmax_top_k"),
-        ("moe.router.capacity_factor", router.capacity_factor if router else None, None),
-        ("moe.router.bias_update_rate", router.bias_update_rate if router else 0.0, 0.0),
-        ("moe.router.routed_scaling_factor", router.routed_scaling_factor if router else 1.0, 1.0),
-        ("moe.router.expert_groups", router.expert_groups if router else 1, 1),
-        ("moe.shared_experts", moe.shared_experts if moe else 0, 0),
-        ("norm.stats_dtype", config.norm.stats_dtype, "float32"),
-        ("tied_logit_scale", config.tied_logit_scale, "none"),
-    ]
-    for name, value, allowed in unsupported:
-        if value != allowed:
-            raise ValueError(f"{name}={value!r} has no Hugging Face OLMoE equivalent; allowed: {allowed!r}")
-    if attention.bias not in ("none", "qkvo"):  # attention_bias is one switch for q, k, v and o
-        raise ValueError(
-            f"attention.bias={attention.bias!r} has no Hugging Face OLMoE equivalent; allowed: 'none' | 'qkvo'"
-        )
+    if set(config.layer_kinds()) != {"moe"}:
+        raise ValueError("layers='dense layers' has no Hugging Face OLMoE equivalent; allowed: 'moe'")
+    expressible = {
+        "attention.qk_norm_scope": ("projection",),
+        "attention.bias": ("none", "qkvo"),  # attention_bias is one switch for q, k, v and o
+        "attention.clip_qkv": hf_config.ANY,
+        "moe.router.renormalize": hf_config.ANY,
+    }
+    hf_config.check_expressible(config, "OLMoE", expressible)
     if heads * attention.head_dim != config.embed_dim:  # q_norm has hidden_size weights
         raise ValueError(
             f"attention.head_dim={attention.head_dim} has no Hugging Face OLMoE equivalent; allowed: "

@@ -300,26 +300,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         raise ValueError(
             "moe.shared_experts=0 has no Hugging Face Qwen2-MoE equivalent; allowed: >= 1 (with shared_expert_gate)"
         )
-    unsupported = [  # (field, value, allowed values)
-        ("norm.ffn_placement", config.norm.ffn_placement, ("pre",)),
-        ("norm.stats_dtype", config.norm.stats_dtype, ("float32",)),
-        ("attention.qk_norm", attention.qk_norm, ("none",)),
-        ("attention.bias", attention.bias, ("qkv", "none")),  # qkv_bias true / false; o_proj has none
-        ("attention.rope_layout", attention.rope_layout, ("half_split",)),
-        ("attention.rotary_dim", attention.rotary_dim, (None,)),
-        ("attention.clip_qkv", attention.clip_qkv, (None,)),
-        ("moe.shared_expert_gate", moe.shared_expert_gate, (True,)),  # every HF MoE block gates its shared expert
-        ("moe.router.strategy", router.strategy, ("softmax_top_k",)),
-        ("moe.router.capacity_factor", router.capacity_factor, (None,)),
-        ("moe.router.bias_update_rate", router.bias_update_rate, (0.0,)),
-        ("moe.router.routed_scaling_factor", router.routed_scaling_factor, (1.0,)),
-        ("moe.router.expert_groups", router.expert_groups, (1,)),
-        ("tied_logit_scale", config.tied_logit_scale, ("none",)),
-    ]
-    for name, value, allowed in unsupported:
-        if value not in allowed:
-            shown = " | ".join(map(repr, allowed))
-            raise ValueError(f"{name}={value!r} has no Hugging Face Qwen2-MoE equivalent; allowed: {shown}")
+    expressible = {
+        "attention.qk_norm": ("none",),
+        "attention.bias": ("qkv", "none"),  # qkv_bias true / false; o_proj has none
+        "moe.router.renormalize": hf_config.ANY,
+        "moe.shared_experts": hf_config.ANY,  # written as one shared expert of their summed width
+        "moe.shared_expert_dim": hf_config.ANY,
+        "moe.shared_expert_gate": (True,),  # every HF MoE block gates its shared expert
+    }
+    hf_config.check_expressible(config, "Qwen2-MoE", expressible)
     kinds = config.layer_kinds()
     step, mlp_only = _sparse_layout(kinds)
     max_positions = attention.rope_scaling.max_position_embeddings if attention.rope_scaling else None
