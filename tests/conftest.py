@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.register_assert_rewrite("tests.hf_families")
+
 TINY_HF = dict(
     vocab_size=97,
     hidden_size=32,

@@ -22,12 +22,8 @@ peft = pytest.importorskip("peft")
 def _saver(family: str):
     from tests import test_glm4_moe, test_mixtral, test_olmoe, test_qwen2_moe
 
-    return {
-        "mixtral": test_mixtral.save_tiny_mixtral,
-        "olmoe": test_olmoe.save_tiny_olmoe,
-        "qwen2_moe": test_qwen2_moe.save_tiny_qwen2_moe,
-        "glm4_moe": test_glm4_moe.save_tiny_glm,
-    }[family]
+    families = (test_mixtral.MIXTRAL, test_olmoe.OLMOE, test_qwen2_moe.QWEN2_MOE, test_glm4_moe.GLM)
+    return {hf_family.name: hf_family.save_tiny for hf_family in families}[family]
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:

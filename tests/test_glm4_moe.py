@@ -5,7 +5,6 @@ e_score_correction_bias, that bias loaded as eqmoe's aux-loss-free selection bia
 sizes' parameter counts."""
 
 import dataclasses
-import json
 from pathlib import Path
 
 import equinox as eqx
@@ -15,18 +14,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import eqmoe.models.glm4_moe as glm4_moe  # registers
 from eqmoe import Transformer
 from eqmoe.checkpoints import hf
 from eqmoe.config import segments_from_kinds
-from eqmoe.models import family
+from eqmoe.models import glm4_moe
 from eqmoe.nn.moe import MoE
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
 from eqmoe.train.state import init_state
 from eqmoe.train.step import Batch, make_train_step
-from experiments.param_report import Args, main
-from tests.test_mixtral import _padded_batch, _write
-from tests.test_qwen3_parity import _our_loss, _reference_gradients
+from tests import hf_families as shared
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -76,42 +72,22 @@ CASES = {  # None drops the field (transformers then derives it)
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
     ),
 }
-SEQ = 300
 
 
-def _hf_config(**overrides):
-    fields = {key: value for key, value in {**TINY, **overrides}.items() if value is not None}
-    return transformers.Glm4MoeConfig(**fields)
+def _perturb(name: str, tensor) -> None:
+    """transformers starts its norms at 1, its biases and e_score_correction_bias at 0 and its router near 0
+    (scores all ~0.5): moved so that every part matters, the router's scores spread and the correction bias
+    changes which experts are chosen."""
+    if name.endswith(("norm.weight", ".bias")):
+        tensor.add_(0.1 * torch.randn_like(tensor))
+    elif name.endswith("mlp.gate.weight"):
+        tensor.normal_(0.0, 0.3)
+    elif name.endswith("e_score_correction_bias"):
+        tensor.normal_(0.0, 0.2)
 
 
-def save_tiny_glm(folder: Path, seed: int = 0, **overrides):
-    """A random ``Glm4MoeForCausalLM`` saved to ``folder``. transformers starts its norms at 1, its biases and
-    e_score_correction_bias at 0 and its router near 0 (scores all ~0.5): perturb them so that every part
-    matters, the router's scores spread and the correction bias changes which experts are chosen."""
-    torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(_hf_config(**overrides)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.3)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-
-
-def load_glm_reference(folder: Path):
-    return transformers.Glm4MoeForCausalLM.from_pretrained(
-        folder, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
-
-
-@pytest.fixture(params=list(CASES))
-def saved(request, tmp_path):
-    save_tiny_glm(tmp_path, seed=len(request.param), **CASES[request.param])
-    return tmp_path
+GLM = shared.Family("glm4_moe", transformers.Glm4MoeForCausalLM, TINY, _perturb)
+saved = shared.saved_fixture(GLM, CASES)
 
 
 def test_config_reads_as_glm(saved):
@@ -135,14 +111,7 @@ def test_config_reads_as_glm(saved):
 
 
 def test_logits_match_transformers(saved):
-    reference = load_glm_reference(saved)
-    model = hf.load(saved)
-    ids = torch.randint(0, reference.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits.numpy()
-    logits = np.asarray(model(jnp.asarray(ids.numpy())).logits)
-    assert logits.shape == expected.shape
-    assert np.abs(logits - expected).max() <= 1e-4
+    shared.assert_logits_match(GLM.reference(saved), hf.load(saved))
 
 
 def _sigmoid(x):
@@ -188,11 +157,11 @@ def _reference_choices(reference, ids, folder: Path) -> tuple[list[np.ndarray], 
 def test_group_limited_selection_with_the_correction_bias_matches_transformers(tmp_path):
     """Config (a): keeping 2 of 4 groups and the loaded correction bias both change which experts are chosen,
     and eqmoe's per-layer expert counts equal transformers' choices (re-derived in NumPy from its logits)."""
-    save_tiny_glm(tmp_path, seed=5)
-    reference = load_glm_reference(tmp_path)
+    GLM.save_tiny(tmp_path, seed=5)
+    reference = GLM.reference(tmp_path)
     model = hf.load(tmp_path)
     config = reference.config
-    ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, config.vocab_size, (2, shared.SEQ), generator=torch.Generator().manual_seed(3))
     router_logits, choices = _reference_choices(reference, ids, tmp_path)
     counts = np.asarray(model(jnp.asarray(ids.numpy())).aux.expert_counts)
     np.testing.assert_array_equal(counts, np.stack([c.sum(0) for c in choices]))
@@ -208,38 +177,22 @@ def test_group_limited_selection_with_the_correction_bias_matches_transformers(t
 def test_loss_matches_transformers(saved):
     """transformers' GLM has no auxiliary loss (its output's loss is the cross-entropy alone, and eqmoe's GLM
     config trains none), so the cross-entropy is the whole comparison."""
-    reference = load_glm_reference(saved)
-    model = hf.load(saved)
-    ids, mask, labels = _padded_batch(reference.config.vocab_size)
-    with torch.no_grad():
-        out = reference(ids, attention_mask=mask, labels=labels)
+    out, loss, terms = shared.losses(GLM.reference(saved), hf.load(saved))
     assert out.aux_loss is None
-    loss, terms = eqx.filter_jit(_our_loss(model, ids, mask))(model)
     np.testing.assert_allclose(float(terms["cross_entropy"]), out.loss.item(), rtol=1e-5)
     np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_match_torch(tmp_path, case):
-    save_tiny_glm(tmp_path, seed=4, **CASES[case])
-    reference = load_glm_reference(tmp_path)
-    model = hf.load(tmp_path)
-    ids, mask, labels = _padded_batch(reference.config.vocab_size, seq=64)
-    reference(ids, attention_mask=mask, labels=labels).loss.backward()
-    expected = _reference_gradients(reference)
-    if reference.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)  # the same tensor as the embedding (its gradient is the sum)
-
-    grads, _ = eqx.filter_jit(jax.grad(_our_loss(model, ids, mask), has_aux=True))(model)
-    ours = hf.state_dict(grads)
-    # e_score_correction_bias is a buffer in torch (no gradient); eqmoe's selection bias gets exactly none
+    """e_score_correction_bias is a buffer in torch (no gradient); eqmoe's selection bias gets exactly none."""
+    GLM.save_tiny(tmp_path, seed=4, **CASES[case])
+    ours, expected = shared.gradients(GLM.reference(tmp_path), hf.load(tmp_path))
     for key in [k for k in ours if k.endswith("e_score_correction_bias")]:
         np.testing.assert_array_equal(ours.pop(key), 0.0, err_msg=key)
-    assert set(ours) == set(expected)
-    for key, value in ours.items():
-        np.testing.assert_allclose(value, expected[key], atol=1e-4, rtol=0, err_msg=key)
-    assert max(np.abs(v).max() for k, v in ours.items() if ".mlp.experts." in k) > 1e-3
-    assert max(np.abs(v).max() for k, v in ours.items() if ".shared_experts." in k) > 1e-3
+    shared.assert_gradients_match(ours, expected)
+    assert shared.largest(ours, ".mlp.experts.") > 1e-3
+    assert shared.largest(ours, ".shared_experts.") > 1e-3
 
 
 def _routers(model: Transformer) -> list:
@@ -257,8 +210,8 @@ def test_correction_bias_loads_as_the_selection_bias_trains_and_exports(tmp_path
     """Must-show 3: e_score_correction_bias loads as eqmoe's aux-loss-free selection bias, one train step
     moves it by exactly ``rate * sign(mean load - load)`` (the loads being transformers' choices on the
     batch), and the export writes the moved bias back as e_score_correction_bias."""
-    save_tiny_glm(tmp_path / "hf", seed=6, num_hidden_layers=2, first_k_dense_replace=0)  # 2 MoE layers, 1 scan
-    reference = load_glm_reference(tmp_path / "hf")
+    GLM.save_tiny(tmp_path / "hf", seed=6, num_hidden_layers=2, first_k_dense_replace=0)  # 2 MoE layers, 1 scan
+    reference = GLM.reference(tmp_path / "hf")
     model = hf.load(tmp_path / "hf")
     loaded = _router_biases(tmp_path / "hf")
     for router, bias in zip(_routers(model), loaded, strict=True):
@@ -286,26 +239,13 @@ def test_correction_bias_loads_as_the_selection_bias_trains_and_exports(tmp_path
     hf.save(trained, tmp_path / "back")
     for exported, bias in zip(_router_biases(tmp_path / "back"), expected, strict=True):
         np.testing.assert_array_equal(exported, bias)
-    back = load_glm_reference(tmp_path / "back")
+    back = GLM.reference(tmp_path / "back")
     for layer, bias in zip(back.model.layers, expected, strict=True):
         np.testing.assert_array_equal(layer.mlp.gate.e_score_correction_bias.numpy(), bias)
 
 
-def _transformers_config(folder: Path) -> dict:
-    config = transformers.Glm4MoeConfig.from_pretrained(folder).to_dict()
-    config.pop("_name_or_path", None)
-    config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config
-
-
 def test_hf_to_eqmoe_to_hf_is_bit_exact(saved, tmp_path):
-    hf.save(hf.load(saved), tmp_path / "back")
-    original, back = load_file(saved / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back)
-    for key, value in original.items():
-        np.testing.assert_array_equal(back[key], value, err_msg=key)
-    assert _transformers_config(tmp_path / "back") == _transformers_config(saved)
-    assert hf.read_config(tmp_path / "back") == hf.read_config(saved)
+    shared.assert_round_trip_bit_exact(GLM, saved, tmp_path / "back", derive_head_dim=True)
 
 
 def test_hub_key_names(saved):
@@ -317,13 +257,13 @@ def test_hub_key_names(saved):
     assert {f"model.layers.{last}.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
     assert ("model.layers.0.self_attn.q_proj.bias" in keys) == (config.attention.bias == "qkv")
     assert "model.layers.0.self_attn.o_proj.bias" not in keys
-    assert {name.key for name in family.get("glm4_moe").checkpoint_names(config)} == keys
+    assert shared.named_keys(GLM, saved) == keys
 
 
 def test_mtp_layer_tensors_are_skipped_as_transformers_skips_them(tmp_path):
     """The Hub's checkpoints hold the multi-token-prediction layer as ``model.layers.46.*`` (Air) or
     ``model.layers.92.*``; transformers ignores those tensors and so does eqmoe, and other strays still fail."""
-    save_tiny_glm(tmp_path / "hf", seed=7)
+    GLM.save_tiny(tmp_path / "hf", seed=7)
     path = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(path)
     mtp = {
@@ -332,7 +272,7 @@ def test_mtp_layer_tensors_are_skipped_as_transformers_skips_them(tmp_path):
         "model.layers.92.enorm.weight": np.ones(32, np.float32),
     }
     save_file({**tensors, **mtp}, str(path), metadata={"format": "pt"})
-    load_glm_reference(tmp_path / "hf")  # transformers loads it (and says nothing of the MTP tensors it skips)
+    GLM.reference(tmp_path / "hf")  # transformers loads it (and says nothing of the MTP tensors it skips)
     model = hf.load(tmp_path / "hf")
     for key, value in hf.state_dict(model).items():
         np.testing.assert_array_equal(value, tensors[key], err_msg=key)
@@ -401,7 +341,7 @@ GLM_45 = dict(  # zai-org/GLM-4.5's differences from GLM-4.5-Air
 
 @pytest.mark.parametrize(("preset", "changes"), [("glm-4.5-air", {}), ("glm-4.5", GLM_45)])
 def test_published_config_reads_as_the_preset(tmp_path, preset, changes):
-    folder = _write(tmp_path / preset, _published(**changes))
+    folder = shared.write_config(tmp_path / preset, _published(**changes))
     assert hf.read_config(folder) == glm4_moe.PRESETS[preset]
     reference = transformers.Glm4MoeConfig.from_pretrained(folder)
     assert reference.rope_parameters == {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
@@ -410,22 +350,21 @@ def test_published_config_reads_as_the_preset(tmp_path, preset, changes):
 def test_partial_rotary_factor_defaults_to_half_and_full_rotary_round_trips(tmp_path):
     """Without partial_rotary_factor anywhere transformers' GLM rotates half of each head; with 1.0 (written
     by eqmoe for a fully rotating head) the whole head."""
-    config = hf.read_config(_write(tmp_path / "default", _published(partial_rotary_factor=...)))
+    config = hf.read_config(shared.write_config(tmp_path / "default", _published(partial_rotary_factor=...)))
     assert config.attention.rotary_dim == 64
     reference = transformers.Glm4MoeConfig.from_pretrained(tmp_path / "default")
     assert reference.rope_parameters["partial_rotary_factor"] == 0.5
     full = config.replace(attention=dataclasses.replace(config.attention, rotary_dim=None))
     written = glm4_moe.config_to_hf(full)
     assert written["rope_parameters"]["partial_rotary_factor"] == 1.0
-    assert hf.read_config(_write(tmp_path / "full", written)).attention.rotary_dim is None
+    assert hf.read_config(shared.write_config(tmp_path / "full", written)).attention.rotary_dim is None
 
 
 def _count(config) -> tuple[int, int]:
     """transformers' parameter count on the meta device, and its e_score_correction_bias buffers."""
-    with torch.device("meta"):
-        model = transformers.Glm4MoeForCausalLM(config)
+    model = GLM.on_meta(config)
     buffers = sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
-    return sum(p.numel() for p in model.parameters()), buffers
+    return shared.parameter_count(model), buffers
 
 
 @pytest.mark.parametrize(
@@ -438,22 +377,16 @@ def _count(config) -> tuple[int, int]:
 def test_published_parameter_count_equals_transformers(capsys, tmp_path, preset, changes, parameters, biases):
     """param_report counts every array of the model, so the selection biases too: transformers' parameters
     plus its e_score_correction_bias buffers (one per routed expert of each MoE layer)."""
-    assert main(Args(preset=preset, json=True)) == 0
-    report = json.loads(capsys.readouterr().out)
-    folder = _write(tmp_path / preset, _published(**changes))
+    report = shared.param_report(preset, capsys)
+    folder = shared.write_config(tmp_path / preset, _published(**changes))
     assert _count(transformers.Glm4MoeConfig.from_pretrained(folder)) == (parameters, biases)
     assert report["total"] == parameters + biases
     bias_rows = [row for row in report["parameters"] if row["path"].endswith("router.bias")]
     assert sum(row["count"] for row in bias_rows) == biases
 
 
-def _full_config(**overrides) -> dict:
-    """Every field transformers' Glm4MoeConfig serialises, defaults included (``use_diff=False``)."""
-    return json.loads(_hf_config(**overrides).to_json_string(use_diff=False))
-
-
 def test_every_field_transformers_writes_loads(tmp_path):
-    config = hf.read_config(_write(tmp_path / "full", _full_config()))
+    config = hf.read_config(shared.write_config(tmp_path / "full", GLM.full_config()))
     assert config.attention.num_kv_heads == 2 and config.norm.eps == 1e-5 and config.attention.rotary_dim == 8
     assert config.moe.router.expert_groups == 4
 
@@ -472,16 +405,11 @@ def test_every_field_transformers_writes_loads(tmp_path):
     ],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
-    folder = _write(tmp_path / "model", {**_full_config(), field: value})
-    with pytest.raises(ValueError) as excinfo:
-        hf.read_config(folder)
-    message = str(excinfo.value)
-    assert "\n" not in message and message.count(str(folder / "config.json")) == 1, message
-    assert field in message, message
+    shared.assert_refused(tmp_path / "model", {**GLM.full_config(), field: value}, field)
 
 
 def test_save_refuses_what_glm_cannot_express(tmp_path):
-    save_tiny_glm(tmp_path / "hf")
+    GLM.save_tiny(tmp_path / "hf")
     config = hf.read_config(tmp_path / "hf")
     moe, attention = config.moe, config.attention
     refused = {

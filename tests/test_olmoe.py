@@ -4,22 +4,14 @@ renormalised and raw top-k weights, tied and untied), HF -> eqmoe -> HF round tr
 the OLMoE-1B-7B parameter count."""
 
 import dataclasses
-import json
-from pathlib import Path
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import eqmoe.models.olmoe  # noqa: F401 (registers the family)
 from eqmoe.checkpoints import hf
-from eqmoe.models import family, olmoe
-from experiments.param_report import Args, main
-from tests.test_mixtral import _padded_batch
-from tests.test_qwen3_parity import _our_loss, _reference_gradients
+from eqmoe.models import olmoe
+from tests import hf_families as shared
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,27 +46,19 @@ CASES = {
         rope_parameters={"rope_type": "default", "rope_theta": 5e5},
     ),
 }
-SEQ = 300
 
 
-def save_tiny_olmoe(folder: Path, seed: int = 0, **overrides):
-    """A random ``OlmoeForCausalLM`` saved to ``folder``: norms perturbed away from 1, biases away from 0 (HF
-    initialises them at 0), and v_proj scaled up so that ``clip_qkv`` clamps values too, not only q and k."""
-    torch.manual_seed(seed)
-    model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("v_proj.weight"):
-                param.mul_(10.0)
-    model.save_pretrained(folder)
+def _perturb(name: str, tensor) -> None:
+    """Norms moved off 1, biases off 0 (HF initialises them at 0), and v_proj scaled up so that ``clip_qkv``
+    clamps values too, not only q and k."""
+    if name.endswith(("norm.weight", ".bias")):
+        tensor.add_(0.1 * torch.randn_like(tensor))
+    elif name.endswith("v_proj.weight"):
+        tensor.mul_(10.0)
 
 
-def load_olmoe_reference(folder: Path):
-    return transformers.OlmoeForCausalLM.from_pretrained(
-        folder, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
+OLMOE = shared.Family("olmoe", transformers.OlmoeForCausalLM, TINY, _perturb)
+saved = shared.saved_fixture(OLMOE, CASES)
 
 
 def _record_pre_clip(reference) -> dict[str, list[torch.Tensor]]:
@@ -86,12 +70,6 @@ def _record_pre_clip(reference) -> dict[str, list[torch.Tensor]]:
         for which, module in (("q", attention.q_norm), ("k", attention.k_norm), ("v", attention.v_proj)):
             module.register_forward_hook(lambda _m, _i, out, which=which: seen[which].append(out.detach().clone()))
     return seen
-
-
-@pytest.fixture(params=list(CASES))
-def saved(request, tmp_path):
-    save_tiny_olmoe(tmp_path, seed=len(request.param), **CASES[request.param])
-    return tmp_path
 
 
 def test_config_reads_as_olmoe(saved):
@@ -109,15 +87,9 @@ def test_config_reads_as_olmoe(saved):
 
 
 def test_logits_match_transformers(saved):
-    reference = load_olmoe_reference(saved)
+    reference = OLMOE.reference(saved)
     seen = _record_pre_clip(reference)
-    model = hf.load(saved)
-    ids = torch.randint(0, reference.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits.numpy()
-    logits = np.asarray(eqx.filter_jit(lambda model, ids: model(ids).logits)(model, jnp.asarray(ids.numpy())))
-    assert logits.shape == expected.shape
-    assert np.abs(logits - expected).max() <= 1e-4
+    shared.assert_logits_match(reference, hf.load(saved))
     clip = reference.config.clip_qkv
     if clip is not None:  # the clamp changed q, k and v somewhere, and left most entries alone
         for which, outputs in seen.items():
@@ -127,18 +99,8 @@ def test_logits_match_transformers(saved):
 
 def test_loss_and_aux_loss_match_transformers(tmp_path):
     """HF's aux loss is ``load_balancing_loss_func`` (Mixtral's and Qwen3-MoE's): eqmoe's ``hf_pooled``."""
-    save_tiny_olmoe(tmp_path, seed=3, router_aux_loss_coef=0.02)
-    reference = load_olmoe_reference(tmp_path)
-    model = hf.load(tmp_path)
-    assert model.config.loss.load_balance == "hf_pooled" and model.config.loss.load_balance_weight == 0.02
-    ids, mask, labels = _padded_batch(reference.config.vocab_size)
-    with torch.no_grad():
-        out = reference(ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    loss, terms = eqx.filter_jit(_our_loss(model, ids, mask))(model)
-    np.testing.assert_allclose(float(terms["load_balance"]), out.aux_loss.item(), rtol=1e-5)
-    np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
-    hf_cross_entropy = out.loss.item() - 0.02 * out.aux_loss.item()
-    np.testing.assert_allclose(float(terms["cross_entropy"]), hf_cross_entropy, rtol=1e-5)
+    OLMOE.save_tiny(tmp_path, seed=3, router_aux_loss_coef=0.02)
+    shared.assert_loss_and_aux_loss_match(OLMOE.reference(tmp_path), hf.load(tmp_path), weight=0.02)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -146,49 +108,25 @@ def test_gradients_match_torch(tmp_path, case):
     """Every parameter's gradient to 1e-4, but one embedding row: OlmoeConfig's ``pad_token_id`` (1) is the
     ``padding_idx`` of transformers' ``nn.Embedding``, whose lookup gradient torch zeroes; eqmoe has no frozen
     row, so where the pad id occurs as an unmasked input (random ids here) that row's gradient differs."""
-    save_tiny_olmoe(tmp_path, seed=4, router_aux_loss_coef=0.05, **CASES[case])
-    reference = load_olmoe_reference(tmp_path)
-    model = hf.load(tmp_path)
-    ids, mask, labels = _padded_batch(reference.config.vocab_size, seq=64)
+    OLMOE.save_tiny(tmp_path, seed=4, router_aux_loss_coef=0.05, **CASES[case])
+    reference = OLMOE.reference(tmp_path)
+    ids, mask, _ = shared.padded_batch(reference.config.vocab_size, seq=64)
     pad = reference.config.pad_token_id
     assert pad == 1 and bool((ids[mask.bool()] == pad).any())
-    reference(ids, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
-    expected = _reference_gradients(reference)
-    if reference.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)  # the same tensor as the embedding (its gradient is the sum)
-
-    grads, _ = eqx.filter_jit(jax.grad(_our_loss(model, ids, mask), has_aux=True))(model)  # jit: half the time
-    ours = hf.state_dict(grads)
-    assert set(ours) == set(expected)
-    rows = np.arange(reference.config.vocab_size) != pad
-    for key, value in ours.items():
-        want = expected[key]
-        if key == "model.embed_tokens.weight":
-            value, want = value[rows], want[rows]
-        np.testing.assert_allclose(value, want, atol=1e-4, rtol=0, err_msg=key)
+    ours, expected = shared.gradients(reference, hf.load(tmp_path), output_router_logits=True)
+    embed, rows = "model.embed_tokens.weight", np.arange(reference.config.vocab_size) != pad
+    shared.assert_gradients_match({**ours, embed: ours[embed][rows]}, {**expected, embed: expected[embed][rows]})
     experts = [k for k in ours if ".experts." in k]  # small here (2e-4 to 4e-4), so check them far below that
     assert max(np.abs(ours[k]).max() for k in experts) > 1e-4
     assert max(np.abs(ours[k] - expected[k]).max() for k in experts) <= 1e-6
     if reference.config.attention_bias:
         assert min(np.abs(ours[f"model.layers.0.self_attn.{p}_proj.bias"]).max() for p in "qkvo") > 1e-4
     if not reference.config.tie_word_embeddings:  # the one difference: torch's frozen padding row
-        assert np.all(expected["model.embed_tokens.weight"][pad] == 0)
-
-
-def _transformers_config(folder: Path) -> dict:
-    config = transformers.OlmoeConfig.from_pretrained(folder).to_dict()
-    config.pop("_name_or_path", None)
-    return config
+        assert np.all(expected[embed][pad] == 0)
 
 
 def test_hf_to_eqmoe_to_hf_is_bit_exact(saved, tmp_path):
-    hf.save(hf.load(saved), tmp_path / "back")
-    original, back = load_file(saved / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back)
-    for key, value in original.items():
-        np.testing.assert_array_equal(back[key], value, err_msg=key)
-    assert _transformers_config(tmp_path / "back") == _transformers_config(saved)
-    assert hf.read_config(tmp_path / "back") == hf.read_config(saved)
+    shared.assert_round_trip_bit_exact(OLMOE, saved, tmp_path / "back")
 
 
 def test_hub_key_names(saved):
@@ -202,7 +140,7 @@ def test_hub_key_names(saved):
     assert tensors["model.layers.1.self_attn.q_norm.weight"].shape == (config.hidden_size,)
     assert tensors["model.layers.1.self_attn.k_norm.weight"].shape == (config.num_key_value_heads * head_dim,)
     assert ("model.layers.0.self_attn.o_proj.bias" in tensors) == config.attention_bias
-    assert {name.key for name in family.get("olmoe").checkpoint_names(hf.read_config(saved))} == set(tensors)
+    assert shared.named_keys(OLMOE, saved) == set(tensors)
 
 
 # allenai/OLMoE-1B-7B-0924 config.json (written by transformers 4.43: top-level rope_theta, rope_scaling null).
@@ -243,8 +181,7 @@ def test_hub_config_reads_as_the_preset():
 
 
 def test_olmoe_1b_7b_parameter_count_equals_transformers(capsys):
-    assert main(Args(preset="olmoe-1b-7b", json=True)) == 0
-    total = json.loads(capsys.readouterr().out)["total"]
+    total = shared.param_report("olmoe-1b-7b", capsys)["total"]
     config = transformers.OlmoeConfig(
         vocab_size=50304,
         hidden_size=2048,
@@ -256,24 +193,11 @@ def test_olmoe_1b_7b_parameter_count_equals_transformers(capsys):
         num_experts_per_tok=8,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )
-    with torch.device("meta"):
-        expected = sum(p.numel() for p in transformers.OlmoeForCausalLM(config).parameters())
-    assert total == expected == 6_919_161_856
-
-
-def _write(folder: Path, config: dict) -> Path:
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-def _full_config(**overrides) -> dict:
-    """Every field transformers' OlmoeConfig serialises, defaults included (``use_diff=False``)."""
-    return json.loads(transformers.OlmoeConfig(**{**TINY, **overrides}).to_json_string(use_diff=False))
+    assert total == shared.parameter_count(OLMOE.on_meta(config)) == 6_919_161_856
 
 
 def test_every_field_transformers_writes_loads(tmp_path):
-    config = hf.read_config(_write(tmp_path / "full", _full_config()))
+    config = hf.read_config(shared.write_config(tmp_path / "full", OLMOE.full_config()))
     assert config.attention.num_kv_heads == 2 and config.norm.eps == 1e-5 and config.attention.rope_theta == 1e4
     assert config.attention.clip_qkv == 1.5 and config.attention.bias == "qkvo"
 
@@ -291,16 +215,11 @@ def test_every_field_transformers_writes_loads(tmp_path):
     ],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
-    folder = _write(tmp_path / "model", {**_full_config(), field: value})
-    with pytest.raises(ValueError) as excinfo:
-        hf.read_config(folder)
-    message = str(excinfo.value)
-    assert "\n" not in message and message.count(str(folder / "config.json")) == 1, message
-    assert field in message
+    shared.assert_refused(tmp_path / "model", {**OLMOE.full_config(), field: value}, field)
 
 
 def test_head_dim_equal_to_the_derived_one_loads(tmp_path):
-    config = hf.read_config(_write(tmp_path / "model", {**_full_config(), "head_dim": 8}))
+    config = hf.read_config(shared.write_config(tmp_path / "model", {**OLMOE.full_config(), "head_dim": 8}))
     assert config.attention.head_dim == 8
 
 
@@ -313,7 +232,7 @@ def test_head_dim_equal_to_the_derived_one_loads(tmp_path):
     ],
 )
 def test_save_refuses_what_olmoe_cannot_express(field, change):
-    config = olmoe.config_from_hf(_full_config())
+    config = olmoe.config_from_hf(OLMOE.full_config())
     changed = config.replace(attention=dataclasses.replace(config.attention, **change))
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         olmoe.config_to_hf(changed)
@@ -322,7 +241,7 @@ def test_save_refuses_what_olmoe_cannot_express(field, change):
 def test_save_refuses_dense_layers():
     from eqmoe.config import segments_from_kinds
 
-    config = olmoe.config_from_hf(_full_config())
+    config = olmoe.config_from_hf(OLMOE.full_config())
     dense = config.replace(layers=segments_from_kinds(["dense", "moe"]), mlp_dim=16)
     with pytest.raises(ValueError, match="layers"):
         olmoe.config_to_hf(dense)

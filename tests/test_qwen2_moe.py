@@ -5,24 +5,16 @@ parameter counts."""
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import eqmoe.models.qwen2_moe  # noqa: F401 (registers the family)
-from eqmoe import presets
 from eqmoe.checkpoints import hf
 from eqmoe.models import family
 from eqmoe.models.qwen2_moe import PRESETS, _sparse_layout
 from eqmoe.models.qwen3_moe import layer_kinds_from_hf
-from experiments.param_report import Args, main
-from tests.test_mixtral import _padded_batch, _write
-from tests.test_qwen3_parity import _our_loss, _reference_gradients
+from tests import hf_families as shared
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -57,43 +49,29 @@ CASES = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
 }
-SEQ = 300
 
 
-def save_tiny_qwen2_moe(folder: Path, seed: int = 0, **overrides):
-    """A random ``Qwen2MoeForCausalLM`` saved to ``folder``, with what its initialisation leaves at a
-    special value moved away from it: norms from 1, q/k/v biases from 0, the shared-expert gate from ~0 (so
-    its sigmoid is not ~0.5 everywhere), and the router scaled up (clear top-k choices)."""
-    torch.manual_seed(seed)
-    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-            elif name.endswith("_proj.bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-            elif name.endswith("shared_expert_gate.weight"):
-                param.copy_(0.5 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):
-                param.mul_(5.0)
-    model.save_pretrained(folder)
+def _perturb(name: str, tensor) -> None:
+    """What initialisation leaves at a special value moved away from it: norms from 1, q/k/v biases from 0, the
+    shared-expert gate from ~0 (so its sigmoid is not ~0.5 everywhere), and the router scaled up (clear top-k
+    choices)."""
+    if name.endswith("norm.weight"):
+        tensor.add_(0.1 * torch.randn_like(tensor))
+    elif name.endswith("_proj.bias"):
+        tensor.copy_(0.2 * torch.randn_like(tensor))
+    elif name.endswith("shared_expert_gate.weight"):
+        tensor.copy_(0.5 * torch.randn_like(tensor))
+    elif name.endswith("mlp.gate.weight"):
+        tensor.mul_(5.0)
 
 
-def load_qwen2_moe_reference(folder: Path):
-    return transformers.Qwen2MoeForCausalLM.from_pretrained(
-        folder, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
-
-
-@pytest.fixture(params=list(CASES))
-def saved(request, tmp_path):
-    save_tiny_qwen2_moe(tmp_path, seed=len(request.param), **CASES[request.param])
-    return tmp_path
+QWEN2_MOE = shared.Family("qwen2_moe", transformers.Qwen2MoeForCausalLM, TINY, _perturb)
+saved = shared.saved_fixture(QWEN2_MOE, CASES)
 
 
 def test_config_reads_as_qwen2_moe(saved):
     config = hf.read_config(saved)
-    reference = load_qwen2_moe_reference(saved)
+    reference = QWEN2_MOE.reference(saved)
     hf_config = reference.config
     assert config.family == "qwen2_moe" and config.attention.qk_norm == "none"
     assert config.attention.bias == ("qkv" if hf_config.qkv_bias else "none")
@@ -107,73 +85,35 @@ def test_config_reads_as_qwen2_moe(saved):
 
 
 def test_logits_match_transformers(saved):
-    reference = load_qwen2_moe_reference(saved)
-    model = hf.load(saved)
-    ids = torch.randint(0, reference.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(ids).logits.numpy()
-    logits = np.asarray(eqx.filter_jit(model)(jnp.asarray(ids.numpy())).logits)  # jit: a third of eager time
-    assert logits.shape == expected.shape
-    assert np.abs(logits - expected).max() <= 1e-4
+    shared.assert_logits_match(QWEN2_MOE.reference(saved), hf.load(saved))
 
 
 def test_loss_and_aux_loss_match_transformers(tmp_path):
     """Qwen2-MoE's ``load_balancing_loss_func`` is Qwen3-MoE's and Mixtral's (pooled over the MoE layers and
     the unpadded tokens, times num_experts; the dense layers have no router logits): eqmoe's ``hf_pooled``."""
-    save_tiny_qwen2_moe(tmp_path, seed=3, router_aux_loss_coef=0.02, **CASES["bias-dense-middle-untied"])
-    reference = load_qwen2_moe_reference(tmp_path)
-    model = hf.load(tmp_path)
-    assert model.config.loss.load_balance == "hf_pooled" and model.config.loss.load_balance_weight == 0.02
-    ids, mask, labels = _padded_batch(reference.config.vocab_size)
-    with torch.no_grad():
-        out = reference(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    QWEN2_MOE.save_tiny(tmp_path, seed=3, router_aux_loss_coef=0.02, **CASES["bias-dense-middle-untied"])
+    out = shared.assert_loss_and_aux_loss_match(QWEN2_MOE.reference(tmp_path), hf.load(tmp_path), weight=0.02)
     assert len(out.router_logits) == 2  # the two MoE layers only
-    loss, terms = eqx.filter_jit(_our_loss(model, ids, mask))(model)
-    np.testing.assert_allclose(float(terms["load_balance"]), out.aux_loss.item(), rtol=1e-5)
-    np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
-    hf_cross_entropy = out.loss.item() - 0.02 * out.aux_loss.item()
-    np.testing.assert_allclose(float(terms["cross_entropy"]), hf_cross_entropy, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_match_torch(tmp_path, case):
-    save_tiny_qwen2_moe(tmp_path, seed=4, router_aux_loss_coef=0.05, **CASES[case])
-    reference = load_qwen2_moe_reference(tmp_path)
-    model = hf.load(tmp_path)
-    ids, mask, labels = _padded_batch(reference.config.vocab_size, seq=64)
-    reference(ids, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
-    expected = _reference_gradients(reference)  # transformers' names are the Hub's once experts are split
-    if reference.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)  # the same tensor as the embedding (its gradient is the sum)
-
-    grads, _ = eqx.filter_jit(jax.grad(_our_loss(model, ids, mask), has_aux=True))(model)
-    ours = hf.state_dict(grads)
-    assert set(ours) == set(expected)
+    """Initialised at std 0.02, many gradients are ~1e-5..1e-3, which the 1e-4 bar alone would pass even if
+    wrong: each tensor also matches to 1e-4 of its own largest entry (fp32 gives ~1e-6)."""
+    QWEN2_MOE.save_tiny(tmp_path, seed=4, router_aux_loss_coef=0.05, **CASES[case])
+    reference = QWEN2_MOE.reference(tmp_path)
+    ours, expected = shared.gradients(reference, hf.load(tmp_path), output_router_logits=True)
+    shared.assert_gradients_match(ours, expected)
     for key, value in ours.items():
-        np.testing.assert_allclose(value, expected[key], atol=1e-4, rtol=0, err_msg=key)
-        # Initialised at std 0.02, many gradients are ~1e-5..1e-3, which the 1e-4 bar alone would pass even if
-        # wrong: each tensor also matches to 1e-4 of its own largest entry (fp32 gives ~1e-6).
         scale = np.abs(expected[key]).max()
         assert np.abs(value - expected[key]).max() <= 1e-4 * scale + 1e-9, key
     for part in (".experts.", ".shared_expert.", ".shared_expert_gate.", "_proj.bias"):
         if part != "_proj.bias" or reference.config.qkv_bias:
-            assert max(np.abs(v).max() for k, v in ours.items() if part in k) > 1e-5, part
-
-
-def _transformers_config(folder: Path) -> dict:
-    config = transformers.Qwen2MoeConfig.from_pretrained(folder).to_dict()
-    config.pop("_name_or_path", None)
-    return config
+            assert shared.largest(ours, part) > 1e-5, part
 
 
 def test_hf_to_eqmoe_to_hf_is_bit_exact(saved, tmp_path):
-    hf.save(hf.load(saved), tmp_path / "back")
-    original, back = load_file(saved / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back)
-    for key, value in original.items():
-        np.testing.assert_array_equal(back[key], value, err_msg=key)
-    assert _transformers_config(tmp_path / "back") == _transformers_config(saved)
-    assert hf.read_config(tmp_path / "back") == hf.read_config(saved)
+    shared.assert_round_trip_bit_exact(QWEN2_MOE, saved, tmp_path / "back")
 
 
 def test_hub_key_names(saved):
@@ -185,7 +125,7 @@ def test_hub_key_names(saved):
     assert {f"{prefix}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")} <= keys
     assert {prefix + "gate.weight", prefix + "shared_expert_gate.weight"} <= keys
     assert ("model.layers.0.self_attn.q_proj.bias" in keys) == (config.attention.bias == "qkv")
-    assert {name.key for name in family.get("qwen2_moe").checkpoint_names(config)} == keys
+    assert shared.named_keys(QWEN2_MOE, saved) == keys
 
 
 @pytest.mark.parametrize(
@@ -246,16 +186,11 @@ PUBLISHED = {
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
-def test_published_parameter_count_equals_transformers(preset, capsys, monkeypatch):
-    # eqmoe.presets snapshots the registered presets on import; until eqmoe/models/__init__.py imports this
-    # family, its presets join that snapshot here.
-    monkeypatch.setattr(presets, "_REGISTRY", {**PRESETS, **presets._REGISTRY})
-    assert main(Args(preset=preset, json=True)) == 0
-    total = json.loads(capsys.readouterr().out)["total"]
+def test_published_parameter_count_equals_transformers(preset, capsys):
+    total = shared.param_report(preset, capsys)["total"]
     hf_fields, published = PUBLISHED[preset]
-    with torch.device("meta"):
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**hf_fields))
-    assert total == sum(p.numel() for p in model.parameters()) == published
+    model = QWEN2_MOE.on_meta(transformers.Qwen2MoeConfig(**hf_fields))
+    assert total == shared.parameter_count(model) == published
 
 
 # The Hub's config.json files, as published (transformers 4.39/4.40: top-level rope_theta, no qkv_bias).
@@ -314,7 +249,7 @@ QWEN15_MOE_A27B_HUB = {
     ("preset", "hub"), [("qwen1.5-moe-a2.7b", QWEN15_MOE_A27B_HUB), ("qwen2-57b-a14b", QWEN2_57B_A14B_HUB)]
 )
 def test_hub_config_reads_as_the_preset(tmp_path, preset, hub):
-    assert hf.read_config(_write(tmp_path / "hub", hub)) == PRESETS[preset]
+    assert hf.read_config(shared.write_config(tmp_path / "hub", hub)) == PRESETS[preset]
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -329,13 +264,8 @@ def test_preset_exports_and_reads_back(preset):
     assert qwen2_moe.config_from_hf(json.loads(json.dumps(written))) == PRESETS[preset]
 
 
-def _full_config(**overrides) -> dict:
-    """Every field transformers' Qwen2MoeConfig serialises, defaults included (``use_diff=False``)."""
-    return json.loads(transformers.Qwen2MoeConfig(**{**TINY, **overrides}).to_json_string(use_diff=False))
-
-
 def test_every_field_transformers_writes_loads(tmp_path):
-    config = hf.read_config(_write(tmp_path / "full", _full_config()))
+    config = hf.read_config(shared.write_config(tmp_path / "full", QWEN2_MOE.full_config()))
     assert config.attention.bias == "qkv" and config.attention.head_dim == 8 and config.norm.eps == 1e-6
     assert not config.moe.router.renormalize and config.moe.shared_expert_dim == 40
 
@@ -354,12 +284,7 @@ def test_every_field_transformers_writes_loads(tmp_path):
     ],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
-    folder = _write(tmp_path / "model", {**_full_config(), field: value})
-    with pytest.raises(ValueError) as excinfo:
-        hf.read_config(folder)
-    message = str(excinfo.value)
-    assert "\n" not in message and message.count(str(folder / "config.json")) == 1, message
-    assert field in message
+    shared.assert_refused(tmp_path / "model", {**QWEN2_MOE.full_config(), field: value}, field)
 
 
 @pytest.mark.parametrize(
