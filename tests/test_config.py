@@ -346,11 +346,12 @@ def test_known_preset():
 
 
 def test_the_suite_checks_array_shapes():
-    """The import hook is on (in every xdist worker too): a head_dim mismatch fails the annotation check."""
+    """The import hook is on (in every xdist worker too): cos and sin tables of different widths fail the
+    annotation check."""
     import jax.numpy as jnp
     import jaxtyping
 
     from eqmoe.nn.rope import apply_rope
 
     with pytest.raises(jaxtyping.TypeCheckError):
-        apply_rope(jnp.zeros((5, 2, 8)), jnp.zeros((5, 6)), jnp.zeros((5, 6)))
+        apply_rope(jnp.zeros((5, 2, 8)), jnp.zeros((5, 6)), jnp.zeros((5, 4)))

@@ -38,7 +38,9 @@ class MoE(Layer):
     config: MoEConfig = eqx.field(static=True)
 
     def __init__(self, embed_dim: int, config: MoEConfig, *, init: Init, key: PRNGKeyArray):
-        k_router, k_experts, k_shared, k_gate = jax.random.split(key, 4)
+        k_router, k_experts = jax.random.split(key)
+        # the shared experts' keys are drawn aside, so a model without them initialises as it always has
+        k_shared, k_gate = jax.random.split(jax.random.fold_in(key, 1))
         self.router = Router(embed_dim, config.router, init=init, key=k_router)
         self.experts = dispatch.Experts(
             config.router.num_experts, embed_dim, config.expert_dim, init=init, key=k_experts
