@@ -16,7 +16,6 @@ from eqmoe._checks import is_number as _is_number
 from eqmoe.rope_scaling import ROPE_TYPES, RopeScaling  # noqa: F401 (part of the config API)
 
 DType = Literal["float32", "bfloat16", "float16"]
-BlockKind = Literal["dense", "moe"]
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -65,7 +64,7 @@ class AttentionConfig:
     ``clip_qkv``: queries, keys and values clamped to ``[-clip_qkv, clip_qkv]`` after biases and QK-norm, before
     RoPE (OLMoE's ``clip_qkv``).
     ``backend`` computes the scores (every backend gives the same numbers), a name registered in
-    :data:`eqmoe.nn.attention.BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
+    :data:`eqmoe.registries.ATTENTION_BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
     reference that materialises every score; ``"cudnn"`` is cuDNN's fused kernel (GPU, half precision,
     plain causal masks); ``"auto"`` picks ``cudnn`` where it applies and ``blockwise`` elsewhere.
@@ -149,16 +148,13 @@ class AttentionConfig:
             scaling,
             "None | a RopeScaling",
         )
-        from eqmoe.nn.attention import BACKENDS  # here, not at the top: eqmoe.nn imports this module
-
-        BACKENDS.check("AttentionConfig", "backend", self.backend, extra=("auto",))
 
 
 @dataclass(frozen=True)
 class NormConfig:
     """RMSNorm settings and where the FFN's norm sits.
 
-    ``ffn_placement``, a name registered in :data:`eqmoe.nn.block.PLACEMENTS`: ``"pre"`` is
+    ``ffn_placement``, a name registered in :data:`eqmoe.registries.NORM_PLACEMENTS`: ``"pre"`` is
     ``x + ffn(norm(x))``; ``"post"`` is ``norm(x + ffn(x))``;
     ``"hybrid"`` is ``x + postnorm(ffn(prenorm(x)))`` (AXLearn's names).
     ``stats_dtype``: the mean square is taken in ``"float32"`` (HF) or in the ``"input"`` dtype (AXLearn).
@@ -170,9 +166,6 @@ class NormConfig:
 
     def __post_init__(self):
         _positive("NormConfig", eps=self.eps)
-        from eqmoe.nn.block import PLACEMENTS  # here, not at the top: eqmoe.nn imports this module
-
-        PLACEMENTS.check("NormConfig", "ffn_placement", self.ffn_placement)
         _one_of("NormConfig", "stats_dtype", self.stats_dtype, ("float32", "input"))
 
 
@@ -180,7 +173,8 @@ class NormConfig:
 class RouterConfig:
     """Which experts a token goes to and with what weight.
 
-    ``strategy``, a name registered in :data:`eqmoe.nn.router.STRATEGIES` (where a new one is added):
+    ``strategy``, a name registered in :data:`eqmoe.registries.ROUTER_STRATEGIES` (built in, in
+    :mod:`eqmoe.nn.router`; a new one is a function and a registration):
 
     - ``"softmax_top_k"``: softmax over all experts, the ``top_k`` largest; divided by their sum when
       ``renormalize`` (HF Qwen3 ``norm_topk_prob``). ``top_k=1, renormalize=False`` is Switch routing.
@@ -249,12 +243,6 @@ class RouterConfig:
             f"1..{eligible} (the experts of the expert_groups_kept={kept} groups)",
         )
         _positive("RouterConfig", routed_scaling_factor=self.routed_scaling_factor)
-        from eqmoe.nn.router import STRATEGIES  # here, not at the top: eqmoe.nn imports this module
-
-        STRATEGIES.check("RouterConfig", "strategy", self.strategy)
-        strategy_check = STRATEGIES.get(self.strategy).check
-        if strategy_check is not None:
-            strategy_check(self)
         if self.capacity_factor is not None:
             _positive("RouterConfig", capacity_factor=self.capacity_factor)
 
@@ -264,7 +252,7 @@ class LossConfig:
     """Which losses enter the training objective, and with what weights (all are reported regardless).
 
     ``load_balance`` picks the load-balancing form that is trained, a name registered in
-    :data:`eqmoe.losses.LOAD_BALANCE` (every registered form is reported):
+    :data:`eqmoe.registries.LOAD_BALANCE` (every registered form is reported):
 
     - ``"hf_pooled"``: HF ``E * sum_e f_e P_e`` with top-k fractions pooled over all MoE layers and tokens;
     - ``"axlearn_top1"``: ``E^2 * mean_{groups, e}(f_e P_e)`` with ``f_e`` the top-1 fraction, per layer;
@@ -281,9 +269,6 @@ class LossConfig:
     output_z_loss_weight: float = 0.0
 
     def __post_init__(self):
-        from eqmoe.losses import LOAD_BALANCE  # here, not at the top: eqmoe.losses imports this module
-
-        LOAD_BALANCE.check("LossConfig", "load_balance", self.load_balance)
         for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight"):
             _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
 
@@ -292,7 +277,7 @@ class LossConfig:
 class MoEConfig:
     """A routed-expert FFN: the router, each expert's SwiGLU width and the dispatch backend.
 
-    ``dispatch``, a backend registered in :data:`eqmoe.nn.dispatch.BACKENDS` (with its planner estimate)
+    ``dispatch``, a backend registered in :data:`eqmoe.registries.DISPATCH_BACKENDS` (with its planner estimate)
     or ``"auto"``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
     ``"ragged_dot"`` sorts them without padding and calls ``jax.lax.ragged_dot`` (dropless, the GPU/TPU
@@ -327,12 +312,6 @@ class MoEConfig:
             self.shared_expert_gate,
             "False (shared_experts=0: nothing to gate)",
         )
-        from eqmoe.nn.dispatch import BACKENDS  # here, not at the top: eqmoe.nn imports this module
-
-        BACKENDS.check("MoEConfig", "dispatch", self.dispatch, extra=("auto",))
-        backend_check = None if self.dispatch == "auto" else BACKENDS.get(self.dispatch).check
-        if backend_check is not None:
-            backend_check(self)
 
     @property
     def shared_width(self) -> int:
@@ -341,31 +320,101 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
-class Segment:
-    """``repeats`` copies of a repeat unit of blocks, run as one ``lax.scan``.
+class LayerKind:
+    """What one decoder layer is: its attention kind, its FFN kind and the keys its attention may see.
 
-    Envy's stack is ``Segment(unit=("dense", "moe"), repeats=6)``; Qwen3-30B-A3B is
-    ``Segment(unit=("moe",), repeats=48)``.
+    ``attention`` and ``ffn`` are names registered in :data:`eqmoe.registries.ATTENTION_KINDS` (built in:
+    ``"gqa"``, grouped-query attention configured by ``ModelConfig.attention``) and
+    :data:`eqmoe.registries.FFN_KINDS` (``"dense"``: a SwiGLU of width ``ModelConfig.mlp_dim``; ``"moe"``: routed
+    experts configured by ``ModelConfig.moe``). ``window`` makes the layer's attention sliding: query ``q`` sees
+    keys ``k`` with ``q - window < k <= q`` (Hugging Face's ``sliding_attention`` layers); ``None`` sees every
+    earlier key. A per-layer list of these is Hugging Face's ``layer_types`` and ``mlp_only_layers`` in one.
     """
 
-    unit: tuple[BlockKind, ...]
-    repeats: int
+    attention: str = "gqa"
+    ffn: str = "moe"
+    window: int | None = None
 
     def __post_init__(self):
-        _check(len(self.unit) > 0, "Segment", "unit", self.unit, "a non-empty tuple of 'dense' | 'moe'")
-        for kind in self.unit:
-            _one_of("Segment", "unit", kind, ("dense", "moe"))
-        _positive("Segment", repeats=self.repeats)
+        for name in ("attention", "ffn"):
+            value = getattr(self, name)
+            _check(isinstance(value, str) and bool(value), "LayerKind", name, value, "a registered name")
+        window = self.window
+        _check(
+            window is None or (isinstance(window, int) and not isinstance(window, bool) and window > 0),
+            "LayerKind",
+            "window",
+            window,
+            "None | a positive number of keys",
+        )
+
+    def __str__(self) -> str:
+        window = "" if self.window is None else f", window {self.window}"
+        return f"{self.attention}/{self.ffn}{window}"
+
+
+def layer_kind(value: LayerKind | str | dict) -> LayerKind:
+    """A :class:`LayerKind` from itself, from an FFN kind's name (``"moe"``: grouped-query attention and routed
+    experts) or from a dictionary of its fields."""
+    if isinstance(value, LayerKind):
+        return value
+    if isinstance(value, str):
+        return LayerKind(ffn=value)
+    if isinstance(value, dict):
+        try:
+            return LayerKind(**value)
+        except TypeError as error:
+            raise ValueError(f"LayerKind: {error}") from None
+    raise ValueError(f"ModelConfig.layers entry {value!r} is invalid; allowed: a LayerKind, an FFN kind name or a dict")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``repeats`` copies of a repeat unit of layers, run as one ``lax.scan`` (derived from
+    ``ModelConfig.layers`` by :func:`segments`, never configured)."""
+
+    unit: tuple[LayerKind, ...]
+    repeats: int
 
     @property
     def num_layers(self) -> int:
         return len(self.unit) * self.repeats
 
 
+def segments(layers: tuple[LayerKind, ...]) -> tuple[Segment, ...]:
+    """Cover a per-layer list with as few scanned segments as possible.
+
+    Greedy from the left: at each position take the unit, repeated at least twice, whose repetitions cover the
+    most layers (the shortest such unit on a tie), or else a single layer. Envy's ``("dense", "moe") * 6``
+    becomes one segment of 6 repeats of a two-layer unit; ``["dense"] + ["moe"] * 5`` becomes a one-layer
+    segment and a 5-repeat one; 24 alternating sliding and full layers are 12 repeats of one unit.
+    """
+    kinds = tuple(layers)
+    if not kinds:
+        raise ValueError("segments: at least one layer is needed")
+    found = []
+    start = 0
+    while start < len(kinds):
+        best_period, best_repeats = 1, 1
+        for period in range(1, (len(kinds) - start) // 2 + 1):
+            unit = kinds[start : start + period]
+            repeats = 1
+            while kinds[start + repeats * period : start + (repeats + 1) * period] == unit:
+                repeats += 1
+            if repeats >= 2 and period * repeats > best_period * best_repeats:
+                best_period, best_repeats = period, repeats
+        found.append(Segment(unit=kinds[start : start + best_period], repeats=best_repeats))
+        start += best_period * best_repeats
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer LM whose FFNs are dense SwiGLUs or routed experts.
+    """A decoder-only transformer LM, one :class:`LayerKind` per layer (its attention and FFN kinds).
 
+    ``layers`` lists the layers in checkpoint order; runs of a repeating unit are stacked and scanned
+    (:func:`segments`), so depth costs no compile time. An entry may be written as an FFN kind's name
+    (``("moe",) * 48``), which is grouped-query attention with that FFN.
     ``mlp_dim`` is the width of the dense FFN blocks (unused when every block is MoE).
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the parameters.
     ``scan_layers=False`` unrolls each segment into a Python loop (same numbers, larger program).
@@ -395,7 +444,7 @@ class ModelConfig:
     vocab_size: int
     embed_dim: int
     attention: AttentionConfig
-    layers: tuple[Segment, ...]
+    layers: tuple[LayerKind | str, ...]  # read as LayerKind: a name is an FFN kind with grouped-query attention
     mlp_dim: int | None = None
     moe: MoEConfig | None = None
     norm: NormConfig = field(default_factory=NormConfig)
@@ -418,18 +467,9 @@ class ModelConfig:
     def __post_init__(self):
         _positive("ModelConfig", vocab_size=self.vocab_size, embed_dim=self.embed_dim, init_std=self.init_std)
         _check(bool(self.family), "ModelConfig", "family", self.family, "a registered model family name")
-        _check(len(self.layers) > 0, "ModelConfig", "layers", self.layers, "at least one Segment")
-        kinds = {kind for segment in self.layers for kind in segment.unit}
-        if "moe" in kinds:
-            _check(self.moe is not None, "ModelConfig", "moe", self.moe, "a MoEConfig when a segment has 'moe'")
-        if "dense" in kinds:
-            _check(
-                self.mlp_dim is not None and self.mlp_dim > 0,
-                "ModelConfig",
-                "mlp_dim",
-                self.mlp_dim,
-                "a positive width when a segment has 'dense'",
-            )
+        layers = self.layers if isinstance(self.layers, tuple | list) else ()
+        _check(len(layers) > 0, "ModelConfig", "layers", self.layers, "a non-empty tuple of LayerKind")
+        object.__setattr__(self, "layers", tuple(layer_kind(layer) for layer in layers))
         _one_of("ModelConfig", "dtype", self.dtype, _DTYPES)
         _one_of("ModelConfig", "param_dtype", self.param_dtype, _DTYPES)
         _one_of("ModelConfig", "remat", self.remat, ("none", "block"))
@@ -438,38 +478,11 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
-        return sum(segment.num_layers for segment in self.layers)
+        return len(self.layers)
 
-    def layer_kinds(self) -> tuple[BlockKind, ...]:
-        """The kind of every layer in order, as a checkpoint numbers them."""
-        return tuple(kind for segment in self.layers for _ in range(segment.repeats) for kind in segment.unit)
+    def ffn_kinds(self) -> tuple[str, ...]:
+        """The FFN kind of every layer in order, as a checkpoint numbers them."""
+        return tuple(layer.ffn for layer in self.layers)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
-
-
-def segments_from_kinds(kinds: tuple[BlockKind, ...] | list[BlockKind]) -> tuple[Segment, ...]:
-    """Cover a per-layer list of block kinds with as few scanned segments as possible.
-
-    Greedy from the left: at each position take the unit, repeated at least twice, whose repetitions
-    cover the most layers (the shortest such unit on a tie), or else a single layer.
-    ``["dense", "moe"] * 3`` becomes ``(Segment(("dense", "moe"), 3),)``; ``["dense"] + ["moe"] * 5``
-    becomes ``(Segment(("dense",), 1), Segment(("moe",), 5))``.
-    """
-    kinds = tuple(kinds)
-    if not kinds:
-        raise ValueError("segments_from_kinds: at least one layer is needed")
-    segments = []
-    start = 0
-    while start < len(kinds):
-        best_period, best_repeats = 1, 1
-        for period in range(1, (len(kinds) - start) // 2 + 1):
-            unit = kinds[start : start + period]
-            repeats = 1
-            while kinds[start + repeats * period : start + (repeats + 1) * period] == unit:
-                repeats += 1
-            if repeats >= 2 and period * repeats > best_period * best_repeats:
-                best_period, best_repeats = period, repeats
-        segments.append(Segment(unit=kinds[start : start + best_period], repeats=best_repeats))
-        start += best_period * best_repeats
-    return tuple(segments)

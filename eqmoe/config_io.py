@@ -7,14 +7,16 @@ import dataclasses
 
 from eqmoe.config import (
     AttentionConfig,
+    LayerKind,
     LossConfig,
     ModelConfig,
     MoEConfig,
     NormConfig,
     RopeScaling,
     RouterConfig,
-    Segment,
+    layer_kind,
 )
+from eqmoe.registries import check_names
 
 
 def architecture_differences(a: object, b: object, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -45,6 +47,21 @@ def config_to_dict(config: ModelConfig) -> dict:
     return dataclasses.asdict(config)
 
 
+def _layers_from_dict(layers: list | tuple) -> tuple[LayerKind, ...]:
+    """``ModelConfig.layers`` from its dictionary form; also the scanned segments older checkpoints recorded
+    (``[{"unit": ["dense", "moe"], "repeats": 6}]``), which are the same layers written per repeat unit."""
+    kinds = []
+    for entry in layers:
+        if isinstance(entry, dict) and set(entry) == {"unit", "repeats"}:
+            unit, repeats = entry["unit"], entry["repeats"]
+            if not unit or not isinstance(repeats, int) or repeats < 1:
+                raise ValueError(f"layers entry {entry!r} is invalid; allowed: a non-empty unit repeated at least once")
+            kinds += [layer_kind(kind) for _ in range(repeats) for kind in unit]
+        else:
+            kinds.append(layer_kind(entry))
+    return tuple(kinds)
+
+
 def config_from_dict(values: dict) -> ModelConfig:
     """The inverse of :func:`config_to_dict`; unknown or missing fields raise ``ValueError``."""
     try:
@@ -53,7 +70,7 @@ def config_from_dict(values: dict) -> ModelConfig:
         if moe is not None:
             moe = MoEConfig(**{**moe, "router": RouterConfig(**moe["router"])})
         attention = dict(values.pop("attention"))
-        if attention.get("rope_scaling") is not None:
+        if isinstance(attention.get("rope_scaling"), dict):
             attention["rope_scaling"] = RopeScaling(**attention["rope_scaling"])
         return ModelConfig(
             **{
@@ -61,7 +78,7 @@ def config_from_dict(values: dict) -> ModelConfig:
                 "attention": AttentionConfig(**attention),
                 "norm": NormConfig(**values.pop("norm", {})),
                 "loss": LossConfig(**values.pop("loss", {})),
-                "layers": tuple(Segment(tuple(s["unit"]), s["repeats"]) for s in values.pop("layers")),
+                "layers": _layers_from_dict(values.pop("layers")),
                 "moe": moe,
             }
         )
@@ -82,8 +99,10 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
     """``config`` with dotted fields replaced, e.g. ``{"moe.router.top_k": 1, "norm.ffn_placement": "post"}``.
 
     Each value is checked against its field's type (JSON lists become tuples, integers are accepted for
-    floats); then the new config is validated as a whole, so the order of the overrides never matters.
-    A ``ValueError`` names the override at fault.
+    floats; ``layers`` takes a list of FFN kind names or of :class:`~eqmoe.config.LayerKind` objects); then the
+    new config is validated as a whole, every registered name it uses included
+    (:func:`eqmoe.registries.check_names`), so the order of the overrides never matters. A ``ValueError`` names
+    the override at fault.
     """
     import typing
 
@@ -105,6 +124,13 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
                 owner, parent = getattr(owner, name), parent[name]
         expected = typing.get_type_hints(type(owner))[names[-1]]
         value = tuple(value) if isinstance(value, list) else value
+        if path == "layers":  # a JSON list of layer kinds: FFN kind names or objects of LayerKind's fields
+            try:
+                parent["layers"] = [dataclasses.asdict(layer_kind(item)) for item in value]
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"override layers={value!r}: {error}") from None
+            at_fault["layers["] = at_fault["LayerKind."] = f"layers={value!r}"
+            continue
         nested = [t for t in (expected, *typing.get_args(expected)) if dataclasses.is_dataclass(t)]
         if isinstance(value, dict) and nested:  # a JSON object for a nested config, e.g. attention.rope_scaling
             kind = nested[0]
@@ -123,7 +149,9 @@ def apply_overrides(config: ModelConfig, overrides: dict[str, object]) -> ModelC
         parent[names[-1]] = value
         at_fault[f"{type(owner).__name__}.{names[-1]}={value!r} is invalid"] = f"{path}={value!r}"
     try:
-        return config_from_dict(values)
+        config = config_from_dict(values)
+        check_names(config)
+        return config
     except ValueError as error:
         named = [override for message, override in at_fault.items() if message in str(error)]
         where = f"override {named[0]}" if len(named) == 1 else f"overrides {overrides!r}"

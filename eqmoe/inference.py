@@ -1,6 +1,6 @@
 """Autoregressive generation with a KV cache: greedy, or temperature with nucleus (top-p) sampling.
 
-    cache = init_cache(model, batch, max_len)
+    cache = model.init_cache(batch, max_len)
     out = model(prompt, cache=cache)                      # prefill: every prompt token at once
     out = model(next_token[:, None], cache=out.cache)     # one step: one token per row
 
@@ -11,7 +11,7 @@
 
 MoE routing while decoding is the configured one, capacity included (a prefill equals the uncached
 forward pass); a step whose tokens do not split into ``RouterConfig.num_groups`` groups is padded with
-masked tokens (see :meth:`eqmoe.nn.block.Block.decode`). Capacity routing is not causal (a later
+masked tokens (see :class:`eqmoe.nn.moe.MoE`). Capacity routing is not causal (a later
 token's first choice can evict an earlier token's second), so with drops a decoded continuation can
 differ from re-running the whole sequence; :func:`dropless` gives the same parameters without capacity.
 """
@@ -26,29 +26,15 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.model import KVCache, ModelOutput, Transformer
-from eqmoe.nn.attention import LayerCache
+from eqmoe.nn.gqa import LayerCache
 
 __all__ = ["KVCache", "LayerCache", "ModelOutput", "dropless", "generate", "init_cache", "sample"]
 
 
 def init_cache(model: Transformer, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
-    """An empty :class:`KVCache` with ``max_len`` slots per row, in ``dtype`` (default: the compute dtype).
-
-    Each segment gets one ``LayerCache`` per block of its unit, leaves shaped
-    ``[repeats, batch, kv_heads, max_len, head_dim]``.
-    """
-    if batch < 1 or max_len < 1:
-        raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
-    config = model.config
-    attn = config.attention
-    dtype = jnp.dtype(dtype or config.dtype)
-
-    def empty(repeats: int) -> LayerCache:
-        shape = (repeats, batch, attn.num_kv_heads, max_len, attn.head_dim)
-        return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    layers = tuple(tuple(empty(segment.repeats) for _ in segment.unit) for segment in config.layers)
-    return KVCache(layers, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+    """An empty :class:`KVCache` with ``max_len`` slots per row, in ``dtype`` (default: the compute dtype):
+    :meth:`Transformer.init_cache`, each layer's entry what its attention kind keeps."""
+    return model.init_cache(batch, max_len, dtype)
 
 
 def dropless(model: Transformer) -> Transformer:
@@ -201,7 +187,7 @@ def _generate(
         )
 
     # The last new token is never fed back, so prompt + new - 1 slots suffice.
-    cache = init_cache(model, batch, total - 1)
+    cache = model.init_cache(batch, total - 1)
     out = model(prompt, token_mask=prompt_mask, cache=cache)
     first = pick(out.logits[:, -1], 0)
     filler = jnp.maximum(eos_ids[0], 0)

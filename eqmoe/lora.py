@@ -1,47 +1,78 @@
-"""LoRA as a model transformation: :func:`add_lora` gives every targeted weight an adapter, :func:`merge_lora`
+"""LoRA as a model transformation: :func:`add_lora` gives every targeted matrix an adapter, :func:`merge_lora`
 folds the adapters back into the weights (for export), :func:`lora_targets` names what can be targeted.
 
-Targets are groups (``attention``, ``mlp``, ``router``, ``experts``) or single matrices of a group
-(``attention.q``, ``experts.down``, ...). Adapters are :mod:`eqmoe.nn.lora` layers with role
-``Role.ADAPTER``; ``A`` is drawn uniformly in ``±1 / sqrt(fan_in)`` (PEFT's Kaiming-uniform bound for
-``a = sqrt(5)``), ``B`` is zero, so an adapted model starts equal to its base. Stacked layers (``lax.scan``
-segments) get stacked adapters, and routed experts one adapter per expert.
+Every matrix of the model is a :class:`~eqmoe.nn.linear.Linear`, which carries its own adapter
+(:class:`~eqmoe.nn.linear.LowRank`); the parts that hold them (attention kinds, FFN kinds and their pieces) each
+name an ``adapter_group``, and a target is a group (``attention``, ``mlp``, ``experts``, ``router``) or one of its
+matrices by field name (``attention.q``, ``experts.down``): the names come from the registered parts themselves,
+so a newly registered attention kind's matrices are targets at once. ``A`` is drawn uniformly in
+``±1 / sqrt(fan_in)`` (PEFT's Kaiming-uniform bound for ``a = sqrt(5)``), ``B`` is zero, so an adapted model starts
+equal to its base. Stacked layers (``lax.scan`` segments) get stacked adapters, and routed experts one adapter per
+expert.
 """
 
 import dataclasses
 import math
-from collections.abc import Callable
+import typing
+from collections.abc import Iterator
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from eqmoe.nn.attention import Attention
-from eqmoe.nn.dispatch import Experts
-from eqmoe.nn.lora import AttentionAdapters, ExpertAdapters, MLPAdapters, RouterAdapter, merged_weight
-from eqmoe.nn.mlp import SwiGLU
-from eqmoe.nn.router import Router
+from eqmoe.nn.linear import Linear, LowRank
+from eqmoe.params import Layer
+from eqmoe.registries import ATTENTION_KINDS, FFN_KINDS
 
-# group -> (layer class, {member: (weight field, number of input axes, number of output axes)}, adapter class)
-_GROUPS: dict[str, tuple[type, dict[str, tuple[str, int, int]], type]] = {
-    "attention": (
-        Attention,
-        {"q": ("wq", 1, 2), "k": ("wk", 1, 2), "v": ("wv", 1, 2), "o": ("wo", 2, 1)},
-        AttentionAdapters,
-    ),
-    "mlp": (SwiGLU, {"gate": ("w_gate", 1, 1), "up": ("w_up", 1, 1), "down": ("w_down", 1, 1)}, MLPAdapters),
-    "experts": (Experts, {"gate": ("w_gate", 1, 1), "up": ("w_up", 1, 1), "down": ("w_down", 1, 1)}, ExpertAdapters),
-    "router": (Router, {"": ("weight", 1, 1)}, RouterAdapter),
-}
+# PEFT applies lora_dropout to the adapters of linear maps; it refuses dropout for parameter targets, which is how
+# it adapts routed experts and routers, so those take their inputs undropped.
+_DROPOUT_GROUPS = ("attention", "mlp")
+
+
+def _linear_fields(cls: type) -> tuple[str, ...]:
+    """The fields of the module class ``cls`` that hold a :class:`Linear` (possibly ``None``), in order."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for field in dataclasses.fields(cls):
+        hint = hints.get(field.name)
+        if any(isinstance(t, type) and issubclass(t, Linear) for t in (hint, *typing.get_args(hint))):
+            fields.append(field.name)
+    return tuple(fields)
+
+
+def _part_classes() -> list[type]:
+    """Every module class reachable from the registered attention and FFN kinds through their fields."""
+    found: list[type] = []
+    pending = [cls for registry in (ATTENTION_KINDS, FFN_KINDS) for _, cls in registry.items()]
+    while pending:
+        cls = pending.pop(0)
+        if cls in found:
+            continue
+        found.append(cls)
+        for hint in typing.get_type_hints(cls).values():
+            for t in (hint, *typing.get_args(hint)):
+                if isinstance(t, type) and issubclass(t, Layer) and not issubclass(t, Linear):
+                    pending.append(t)
+    return found
+
+
+def adapter_groups() -> dict[str, tuple[str, ...]]:
+    """``{group: its matrices}`` over every registered part (``{"attention": ("q", "k", "v", "o"), ...}``)."""
+    groups: dict[str, list[str]] = {}
+    for cls in _part_classes():
+        group = getattr(cls, "adapter_group", None)
+        if group is not None:
+            members = groups.setdefault(group, [])
+            members += [name for name in _linear_fields(cls) if name not in members]
+    return {group: tuple(members) for group, members in groups.items()}
 
 
 def lora_targets() -> tuple[str, ...]:
-    """Every name :class:`LoRAConfig` accepts in ``targets``."""
+    """Every name :class:`LoRAConfig` accepts in ``targets``: each group and each ``group.matrix``."""
     names = []
-    for group, (_, members, _) in _GROUPS.items():
-        names.append(group)
-        names += [f"{group}.{member}" for member in members if member]
+    for group, members in adapter_groups().items():
+        names += [group, *(f"{group}.{member}" for member in members)]
     return tuple(names)
 
 
@@ -75,113 +106,97 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def members(self, group: str) -> tuple[str, ...]:
-        """The matrices of ``group`` this config adapts."""
-        _, members, _ = _GROUPS[group]
-        if group in self.targets:
-            return tuple(members)
-        return tuple(m for m in members if f"{group}.{m}" in self.targets)
+    def adapts(self, group: str, member: str) -> bool:
+        return group in self.targets or f"{group}.{member}" in self.targets
 
 
-def _is_target(node) -> bool:
-    return isinstance(node, tuple(cls for cls, _, _ in _GROUPS.values()))
+def _is_part(node) -> bool:
+    return isinstance(node, Layer) and getattr(node, "adapter_group", None) is not None
 
 
-def _group_of(layer) -> str:
-    return next(group for group, (cls, _, _) in _GROUPS.items() if isinstance(layer, cls))
+def _parts(model) -> Iterator[Layer]:
+    """Every part of ``model`` that names an adapter group, in tree order (outer parts before inner ones)."""
+
+    def walk(node):
+        for leaf in jax.tree.leaves(node, is_leaf=lambda x: x is not node and isinstance(x, Layer)):
+            if isinstance(leaf, Layer) and not isinstance(leaf, Linear):
+                if _is_part(leaf):
+                    yield leaf
+                yield from walk(leaf)
+
+    yield from walk(model)
 
 
-def _adapters(layer, group: str, config: LoRAConfig, key: PRNGKeyArray):
-    _, members, adapter_cls = _GROUPS[group]
-    chosen = config.members(group)
-    fields = {}
-    keys = jax.random.split(key, len(members))
-    for (member, (weight_name, inputs, outputs)), k in zip(members.items(), keys, strict=True):
-        prefix = f"{member}_" if member else ""
-        if member not in chosen:
-            fields[prefix + "a"], fields[prefix + "b"] = None, None
-            continue
-        weight = getattr(layer, weight_name)
-        lead = weight.shape[: weight.ndim - inputs - outputs]  # stacked layers (+ experts)
-        in_shape, out_shape = weight.shape[len(lead) : len(lead) + inputs], weight.shape[len(lead) + inputs :]
-        fan_in = math.prod(in_shape)
-        bound = fan_in**-0.5
-        fields[prefix + "a"] = jax.random.uniform(k, (*lead, *in_shape, config.rank), jnp.float32, -bound, bound)
-        fields[prefix + "b"] = jnp.zeros((*lead, config.rank, *out_shape), jnp.float32)
-    adapters = object.__new__(adapter_cls)  # the fields are the dataclass's; no __init__ logic to run
-    extra = {"dropout": config.dropout} if group in ("attention", "mlp") else {}
-    for name, value in {**fields, "scale": config.scale, **extra}.items():
-        object.__setattr__(adapters, name, value)
-    adapters.__check_init__()
-    return adapters
+def targets(model, config: LoRAConfig | None = None) -> list[tuple[str, str, Linear]]:
+    """``(group, matrix, linear)`` of every matrix of ``model`` LoRA can target (``config``: only those it
+    adapts), in tree order."""
+    found = []
+    for part in _parts(model):
+        group = part.adapter_group
+        for name in _linear_fields(type(part)):
+            linear = getattr(part, name)
+            if linear is not None and (config is None or config.adapts(group, name)):
+                found.append((group, name, linear))
+    return found
 
 
-def adapter_member(layer, weight_name: str) -> str | None:
-    """The adapter field prefix (``q_``, ``gate_``, ``""`` for the router) of ``layer``'s weight ``weight_name``,
-    or None when LoRA cannot target it."""
-    if not _is_target(layer):
-        return None
-    _, members, _ = _GROUPS[_group_of(layer)]
-    return next((f"{m}_" if m else "" for m, (field, _, _) in members.items() if field == weight_name), None)
+def _adapter(linear: Linear, group: str, config: LoRAConfig, key: PRNGKeyArray) -> LowRank:
+    dims = len(linear.in_axes) + len(linear.out_axes)
+    lead = linear.weight.shape[: linear.weight.ndim - dims]  # stacked layers (+ experts)
+    in_shape = linear.weight.shape[len(lead) : len(lead) + len(linear.in_axes)]
+    out_shape = linear.weight.shape[len(lead) + len(linear.in_axes) :]
+    bound = math.prod(in_shape) ** -0.5
+    return LowRank(
+        a=jax.random.uniform(key, (*lead, *in_shape, config.rank), jnp.float32, -bound, bound),
+        b=jnp.zeros((*lead, config.rank, *out_shape), jnp.float32),
+        scale=config.scale,
+        dropout=config.dropout if group in _DROPOUT_GROUPS else 0.0,
+        lead_axes=linear.lead_axes,
+        in_axes=linear.in_axes,
+        out_axes=linear.out_axes,
+    )
 
 
-def _target_layers(model) -> list:
-    return [leaf for leaf in jax.tree.leaves(model, is_leaf=_is_target) if _is_target(leaf)]
+def _adapted_linears(model, config: LoRAConfig):
+    return [linear for _, _, linear in targets(model, config)]
 
 
 def add_lora(model, config: LoRAConfig, *, key: PRNGKeyArray):
-    """``model`` with adapters on every weight ``config`` targets (``ValueError`` when the model has none of
-    a targeted group, e.g. ``mlp`` on an all-MoE model)."""
-    layers = [layer for layer in _target_layers(model) if config.members(_group_of(layer))]
-    groups = {_group_of(layer) for layer in layers}
-    missing = sorted({t.split(".")[0] for t in config.targets} - groups)
+    """``model`` with adapters on every matrix ``config`` targets (``ValueError`` when the model has none of a
+    targeted group, e.g. ``mlp`` on an all-MoE model)."""
+    found = targets(model, config)
+    missing = sorted({t.split(".")[0] for t in config.targets} - {group for group, _, _ in found})
     if missing:
         raise ValueError(f"LoRAConfig.targets: the model has no {', '.join(missing)} layer to adapt")
-    keys = jax.random.split(key, len(layers))
-    adapters = [_adapters(layer, _group_of(layer), config, k) for layer, k in zip(layers, keys, strict=True)]
-
-    def where(m):
-        return [layer.lora for layer in _target_layers(m) if config.members(_group_of(layer))]
-
-    return eqx.tree_at(where, model, adapters, is_leaf=lambda x: x is None)
+    keys = jax.random.split(key, len(found))
+    adapters = [_adapter(linear, group, config, k) for (group, _, linear), k in zip(found, keys, strict=True)]
+    return eqx.tree_at(
+        lambda m: [linear.adapter for linear in _adapted_linears(m, config)], model, adapters, is_leaf=_is_none
+    )
 
 
-def _merge_layer(layer):
-    adapters = getattr(layer, "lora", None)
-    if adapters is None:
-        return layer
-    _, members, _ = _GROUPS[_group_of(layer)]
-    for member, (weight_name, _, _) in members.items():
-        prefix = f"{member}_" if member else ""
-        a, b = getattr(adapters, prefix + "a"), getattr(adapters, prefix + "b")
-        merged = merged_weight(getattr(layer, weight_name), a, b, adapters.scale)
-        layer = eqx.tree_at(lambda x, n=weight_name: getattr(x, n), layer, merged)
-    return eqx.tree_at(lambda x: x.lora, layer, None, is_leaf=lambda x: x is None)
+def _is_none(node) -> bool:
+    return node is None
+
+
+def _map_linears(model, function):
+    is_linear = lambda node: isinstance(node, Linear)  # noqa: E731
+    return jax.tree.map(lambda node: function(node) if is_linear(node) else node, model, is_leaf=is_linear)
+
+
+def _merged(linear: Linear) -> Linear:
+    if linear.adapter is None:
+        return linear
+    weight = (linear.weight + linear.adapter.delta()).astype(linear.weight.dtype)
+    return eqx.tree_at(lambda x: (x.weight, x.adapter), linear, (weight, None), is_leaf=_is_none)
 
 
 def merge_lora(model):
     """``model`` with every adapter folded into its weight (``W + scale * A @ B``) and no adapters left."""
-    return _map_targets(model, _merge_layer)
-
-
-def _map_targets(model, function: Callable):
-    return jax.tree.map(lambda node: function(node) if _is_target(node) else node, model, is_leaf=_is_target)
-
-
-def split_adapters(model) -> tuple:
-    """``(model without adapters, the adapters of each targeted layer in order)``: undone by :func:`put_adapters`."""
-    adapters = [layer.lora for layer in _target_layers(model)]
-    bare = _map_targets(model, lambda layer: eqx.tree_at(lambda x: x.lora, layer, None, is_leaf=lambda x: x is None))
-    return bare, adapters
-
-
-def put_adapters(model, adapters: list):
-    """``model`` (without adapters, the architecture :func:`split_adapters` took them from) with ``adapters``."""
-    return eqx.tree_at(
-        lambda m: [layer.lora for layer in _target_layers(m)], model, adapters, is_leaf=lambda x: x is None
-    )
+    return _map_linears(model, _merged)
 
 
 def has_lora(model) -> bool:
-    """Whether any layer of ``model`` carries adapters."""
-    return any(getattr(layer, "lora", None) is not None for layer in _target_layers(model))
+    """Whether any matrix of ``model`` carries an adapter."""
+    is_linear = lambda node: isinstance(node, Linear)  # noqa: E731
+    return any(is_linear(node) and node.adapter is not None for node in jax.tree.leaves(model, is_leaf=is_linear))

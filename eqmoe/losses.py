@@ -1,14 +1,13 @@
 """Training losses: next-token cross-entropy, output z-loss and the router losses, every term reported.
 
-The load-balancing forms are registered in :data:`LOAD_BALANCE` (name -> function of the stacked
-:class:`~eqmoe.nn.router.RouterStats` giving the scalar); ``LossConfig.load_balance`` accepts exactly the
-registered names, and :func:`objective` reports every form and trains the configured one.
+The router statistics come from the routing the model returns (``ModelOutput.aux``,
+:mod:`eqmoe.nn.routing_stats`); the load-balancing forms are registered in :data:`eqmoe.registries.LOAD_BALANCE`
+(name -> function of the stacked :class:`~eqmoe.nn.routing_stats.RouterStats` giving the scalar), and
+:func:`objective` reports every form and trains the one ``LossConfig.load_balance`` names.
 
 Padding (``token_mask`` false, ``target_mask`` false) changes no term: the router statistics, capacity
 included, count real tokens only, and means over groups or documents skip those without any.
 """
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from eqmoe.config import ModelConfig
 from eqmoe.model import ModelOutput
-from eqmoe.nn.router import RouterStats
-from eqmoe.registry import Registry
+from eqmoe.nn.routing_stats import pooled_load_balance  # noqa: F401 (its public home before it moved)
+from eqmoe.registries import LOAD_BALANCE
 
 
 def next_token_losses(
@@ -41,21 +40,6 @@ def next_token_cross_entropy(
     return next_token_losses(logits, tokens, target_mask)[0]
 
 
-def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
-    """HF ``load_balancing_loss_func``: ``E * sum_e f_e * P_e`` with ``f_e`` (top-k assignments per token
-    choosing ``e``) and ``P_e`` (mean probability) pooled over all MoE layers and all real tokens."""
-    num_experts = aux.expert_counts.shape[-1]
-    rows = jnp.maximum(aux.num_tokens.sum(), 1.0)
-    return num_experts * jnp.sum((aux.expert_counts.sum(0) / rows) * (aux.prob_sum.sum(0) / rows))
-
-
-LOAD_BALANCE: Registry[Callable[[RouterStats], Float[Array, ""]]] = Registry("load-balance form")
-LOAD_BALANCE.register("hf_pooled", pooled_load_balance)
-LOAD_BALANCE.register("axlearn_top1", lambda aux: jnp.mean(aux.top1_balance))  # per layer, averaged
-# MaxText's per-sequence form, taken per packed document (RouterStats.sequence_balance), per layer, averaged.
-LOAD_BALANCE.register("maxtext_sequence", lambda aux: jnp.mean(aux.sequence_balance))
-
-
 def objective(
     output: ModelOutput, tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"], config: ModelConfig
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
@@ -69,12 +53,13 @@ def objective(
     cross_entropy, output_z = next_token_losses(output.logits, tokens, target_mask)
     terms = {"cross_entropy": cross_entropy, "output_z_loss": output_z}
     loss = cross_entropy + weights.output_z_loss_weight * output_z
-    if output.aux is not None:
-        balance = {name: form(output.aux) for name, form in LOAD_BALANCE.items()}
+    stats = output.aux
+    if stats is not None:
+        balance = {name: form(stats) for name, form in LOAD_BALANCE.items()}
         terms.update({f"load_balance_{name}": value for name, value in balance.items()})
         terms["load_balance"] = balance[weights.load_balance]
-        terms["router_z_loss"] = jnp.mean(output.aux.z_loss)
-        terms["dropped_fraction"] = jnp.mean(output.aux.dropped_fraction)
+        terms["router_z_loss"] = jnp.mean(stats.z_loss)
+        terms["dropped_fraction"] = jnp.mean(stats.dropped_fraction)
         loss = loss + weights.load_balance_weight * terms["load_balance"]
         loss = loss + weights.router_z_loss_weight * terms["router_z_loss"]
     terms["loss"] = loss

@@ -1,6 +1,6 @@
-"""The language model: embed -> scanned segments -> final norm -> logits."""
+"""The language model: embed -> scanned segments of layers -> final norm -> logits."""
 
-from typing import NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -8,28 +8,31 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe import parallel
-from eqmoe.config import ModelConfig
+from eqmoe.config import ModelConfig, segments
 from eqmoe.config_io import architecture_differences, format_differences
-from eqmoe.nn._params import Layer, Role, param
-from eqmoe.nn.attention import LayerCache, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.block import model_init
+from eqmoe.nn.context import Context, attention_mask, cache_mask, causal_mask
+from eqmoe.nn.linear import Linear
 from eqmoe.nn.norm import RMSNorm
-from eqmoe.nn.rope import rope_tables
-from eqmoe.nn.router import RouterStats
+from eqmoe.nn.router import Routing
+from eqmoe.nn.routing_stats import RouterStats, layer_stats
 from eqmoe.nn.stack import RepeatedUnit
+from eqmoe.params import Layer, Role, param
+from eqmoe.registries import ATTENTION_KINDS, check_names
 
 
 class KVCache(eqx.Module):
-    """Keys and values of every attention block for autoregressive decoding (see ``eqmoe.inference``).
+    """Every attention layer's decoding cache (see ``eqmoe.inference``).
 
-    ``layers[s][j]`` belongs to block ``j`` of segment ``s``'s repeat unit; its leaves are
-    ``[repeats, batch, kv_heads, max_len, head_dim]``, stacked like the parameters, so each segment's
-    scan runs over its parameters and its cache together. Slots are written in order: ``index`` is
-    the next free slot (the same for every row) and ``valid[b, t]`` marks slots holding a real token
-    (false for slots not yet written and for padding). Build one with ``eqmoe.inference.init_cache``.
+    ``layers[s][j]`` belongs to block ``j`` of segment ``s``'s repeat unit: whatever its attention kind keeps
+    (grouped-query attention: keys and values ``[repeats, batch, kv_heads, max_len, head_dim]``; a recurrent kind:
+    its state), stacked like the parameters, so each segment's scan runs over its parameters and its cache
+    together. Slots are written in order: ``index`` is the next free slot (the same for every row) and
+    ``valid[b, t]`` marks slots holding a real token (false for slots not yet written and for padding). Build one
+    with :meth:`Transformer.init_cache`.
     """
 
-    layers: tuple[tuple[LayerCache, ...], ...]
+    layers: tuple[tuple[Any, ...], ...]
     valid: Bool[Array, "batch max_len"]
     index: Int[Array, ""]
 
@@ -38,10 +41,29 @@ class KVCache(eqx.Module):
         return self.valid.shape[1]
 
 
-class ModelOutput(NamedTuple):
+class ModelOutput(eqx.Module):
+    """What a call returns: the logits, every MoE layer's routing in layer order (leading axis: MoE layers;
+    ``None`` without any), the updated cache when called with one, and the token facts the routing statistics
+    need (:attr:`aux`)."""
+
     logits: Float[Array, "batch seq vocab"]
-    aux: RouterStats | None  # per MoE layer, in layer order: leading axis = number of MoE layers
-    cache: KVCache | None = None  # the updated cache when the model was called with one
+    routing: Routing | None
+    cache: KVCache | None = None
+    token_mask: Bool[Array, "batch seq"] | None = None
+    segment_ids: Int[Array, "batch seq"] | None = None
+    num_groups: int = eqx.field(static=True, default=1)
+
+    @property
+    def aux(self) -> RouterStats | None:
+        """Every MoE layer's :class:`RouterStats` over the call's real tokens (per packed document for the
+        per-sequence balance), computed from :attr:`routing`."""
+        return self.stats()
+
+    def stats(self, token_domains: Float[Array, "batch seq domains"] | None = None) -> RouterStats | None:
+        """:attr:`aux`, with per-domain assignment counts when ``token_domains`` (one-hot per token) is given."""
+        if self.routing is None:
+            return None
+        return layer_stats(self.routing, self.token_mask, self.num_groups, token_domains, self.segment_ids)
 
 
 class Transformer(Layer):
@@ -56,15 +78,13 @@ class Transformer(Layer):
     - ``positions``: RoPE positions (default ``0..seq-1`` in every row).
     - ``token_mask``: false at padding; those keys are masked out and those tokens excluded from the
       router statistics (HF's ``attention_mask``).
-    - ``token_domains``: a one-hot domain label per token ``[batch, seq, domains]``; the router
-      statistics then carry ``domain_counts`` (for expert-domain mutual information).
     - ``cache``: a :class:`KVCache` for autoregressive decoding. The tokens are written into slots
       ``cache.index ..`` and attend to every earlier filled slot (a query in slot ``p`` sees the valid
       slots ``<= p``); the output carries the updated cache. ``positions`` then defaults to each
       row's count of real tokens so far (``cache.index + 0..seq-1`` without padding, and HF's
       positions for left-padded prompts). ``segment_ids`` are not supported with a cache. The cache
       must have room: ``cache.index + seq <= max_len`` (not checked inside ``jit``; a write past the end
-      lands on the last slots). MoE routing follows :meth:`eqmoe.nn.block.Block.decode`.
+      lands on the last slots).
     - ``key``: training-time randomness (LoRA dropout); ``None`` (evaluation, generation) is deterministic.
     """
 
@@ -75,11 +95,13 @@ class Transformer(Layer):
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
-        k_embed, k_head, *k_segments = jax.random.split(key, 2 + len(config.layers))
+        check_names(config)
+        stack = segments(config.layers)
+        k_embed, k_head, *k_segments = jax.random.split(key, 2 + len(stack))
         init = model_init(config)
         self.embed = init.embedding(k_embed, config.vocab_size, config.embed_dim)
         self.segments = tuple(
-            RepeatedUnit(segment, config, key=k) for segment, k in zip(config.layers, k_segments, strict=True)
+            RepeatedUnit(segment, config, key=k) for segment, k in zip(stack, k_segments, strict=True)
         )
         self.final_norm = RMSNorm(
             config.embed_dim, eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype
@@ -98,65 +120,69 @@ class Transformer(Layer):
         segment_ids: Int[Array, "batch seq"] | None = None,
         positions: Int[Array, "batch seq"] | None = None,
         token_mask: Bool[Array, "batch seq"] | None = None,
-        token_domains: Float[Array, "batch seq domains"] | None = None,
         cache: KVCache | None = None,
         key: PRNGKeyArray | None = None,
     ) -> ModelOutput:
         model = self.cast(self.config.dtype)
+        context = self._context(tokens, segment_ids, positions, token_mask, cache)
+        x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
+        routings, caches = [], []
+        for index, segment in enumerate(model.segments):
+            segment_key = None if key is None else jax.random.fold_in(key, index)
+            segment_cache = None if cache is None else cache.layers[index]
+            x, routing, segment_cache = segment(x, context, segment_cache, segment_key)
+            if routing is not None:
+                routings.append(routing)
+            caches.append(segment_cache)
+        logits = parallel.constrain_activation(model.output_logits(x), ("batch", "seq", "vocab"))
+        routing = jax.tree.map(lambda *xs: jnp.concatenate(xs), *routings) if routings else None
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(caches), context.mask.key_valid, cache.index + tokens.shape[1])
+        moe = self.config.moe
+        groups = 1 if moe is None or cache is not None else moe.router.num_groups
+        return ModelOutput(logits, routing, new_cache, context.token_mask, segment_ids, groups)
+
+    def _context(self, tokens, segment_ids, positions, token_mask, cache: KVCache | None) -> Context:
+        """The call's :class:`~eqmoe.nn.context.Context`: positions, real tokens, documents and the mask."""
         batch, seq = tokens.shape
         given_mask = token_mask
         if token_mask is None:
             token_mask = jnp.ones((batch, seq), bool)
-        if cache is not None:
-            if segment_ids is not None:
-                raise ValueError("segment_ids are not supported with a KV cache (decode one document per row)")
-            if token_domains is not None:
-                raise ValueError("token_domains are not supported with a KV cache")
-            if cache.valid.shape[0] != batch:
-                raise ValueError(f"the cache holds {cache.valid.shape[0]} rows but tokens has {batch}")
-            if len(cache.layers) != len(self.segments):
-                raise ValueError(f"the cache has {len(cache.layers)} segments, the model {len(self.segments)}")
-            valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
-            if positions is None:
-                seen = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)[:, None]
-                positions = jnp.maximum(seen + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1, 0)
-            mask = cache_mask(cache.index, seq, valid)
-        else:
+        if cache is None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
             if segment_ids is None and given_mask is None:
-                mask = causal_mask(batch, seq)
-            else:
-                segments = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
-                mask = attention_mask(segments, token_mask)
+                return Context(positions, token_mask, jnp.zeros((batch, seq), jnp.int32), causal_mask(batch, seq))
+            segments_ = jnp.zeros((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+            return Context(positions, token_mask, segments_, attention_mask(segments_, token_mask))
+        if segment_ids is not None:
+            raise ValueError("segment_ids are not supported with a KV cache (decode one document per row)")
+        if cache.valid.shape[0] != batch:
+            raise ValueError(f"the cache holds {cache.valid.shape[0]} rows but tokens has {batch}")
+        if len(cache.layers) != len(self.segments):
+            raise ValueError(f"the cache has {len(cache.layers)} segments, the model {len(self.segments)}")
+        valid = jax.lax.dynamic_update_slice(cache.valid, token_mask, (0, cache.index))
+        if positions is None:
+            seen = jnp.sum(cache.valid, axis=1, dtype=jnp.int32)[:, None]
+            positions = jnp.maximum(seen + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1, 0)
+        zeros = jnp.zeros((batch, seq), jnp.int32)
+        return Context(positions, token_mask, zeros, cache_mask(cache.index, seq, valid), cache.index)
 
-        attn = self.config.attention
-        cos, sin = rope_tables(
-            positions,
-            attn.rotary_dim or attn.head_dim,
-            attn.rope_theta,
-            self.config.dtype,
-            attn.rope_layout,
-            attn.rope_scaling,
-        )
-        x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
-        layer_stats, layer_caches = [], []
-        for index, segment in enumerate(model.segments):
-            if cache is None:
-                segment_key = None if key is None else jax.random.fold_in(key, index)
-                x, stats = segment(x, cos, sin, mask, token_mask, token_domains, segment_ids, key=segment_key)
-            else:
-                x, stats, segment_cache = segment.decode(
-                    x, cos, sin, mask, token_mask, cache.layers[index], cache.index
-                )
-                layer_caches.append(segment_cache)
-            if stats is not None:
-                layer_stats.append(stats)
-        logits = parallel.constrain_activation(model.output_logits(x), ("batch", "seq", "vocab"))
-        aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *layer_stats) if layer_stats else None
-        if cache is None:
-            return ModelOutput(logits, aux)
-        return ModelOutput(logits, aux, KVCache(tuple(layer_caches), valid, cache.index + seq))
+    def init_cache(self, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
+        """An empty :class:`KVCache` with ``max_len`` slots per row, in ``dtype`` (default: the compute dtype):
+        each layer's entry is what its attention kind keeps, stacked over the repeats of its segment."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
+        config = self.config
+        dtype = jnp.dtype(dtype or config.dtype)
+
+        def entry(kind, repeats: int):
+            one = ATTENTION_KINDS.get(kind.attention).init_cache(config, kind, batch, max_len, dtype)
+            return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (repeats, *leaf.shape)), one)
+
+        layers = tuple(tuple(entry(kind, unit.repeats) for kind in unit.unit) for unit in segments(config.layers))
+        return KVCache(layers, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
     def output_logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """The final norm and the output layer (``lm_head``, or the embedding when tied)."""
@@ -177,19 +203,19 @@ class Transformer(Layer):
         (``remat``, ``dtype``, the dispatch backend, loss weights). ``allow`` names architecture fields
         that may differ too, for callers that change them on purpose (``dropless`` drops the capacity;
         a loader that has cast the parameters sets ``param_dtype``); the parameter shapes must still
-        match. Parameters are not cast. A ``ValueError`` names every other differing field."""
-        from eqmoe import lora  # adapters ride along: the new config describes the layers they sit beside
-
-        if lora.has_lora(self):
-            bare, adapters = lora.split_adapters(self)
-            return lora.put_adapters(bare.with_config(config, allow=allow), adapters)
+        match. Parameters are not cast, and every matrix keeps what it carries (LoRA adapters). A ``ValueError``
+        names every other differing field."""
         differences = [d for d in architecture_differences(self.config, config) if d[0] not in allow]
         if differences:
             raise ValueError(f"with_config: another architecture: {format_differences(differences, 'model', 'new')}")
         abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
-        if [x.shape for x in jax.tree.leaves(self)] != [x.shape for x in jax.tree.leaves(abstract)]:
+        is_linear = lambda node: isinstance(node, Linear)  # noqa: E731
+        old, _ = jax.tree.flatten(self, is_leaf=is_linear)
+        new, structure = jax.tree.flatten(abstract, is_leaf=is_linear)
+        shapes = [jax.tree.map(jnp.shape, leaf.weight if is_linear(leaf) else leaf) for leaf in old]
+        if len(old) != len(new) or shapes != [jax.tree.map(jnp.shape, x.weight if is_linear(x) else x) for x in new]:
             raise ValueError("with_config: the new config describes different parameter shapes")
-        return jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(self))
+        return jax.tree.unflatten(structure, old)
 
     def cast(self, dtype: str) -> "Transformer":
         """This model with every floating parameter in ``dtype`` (the compute copy)."""

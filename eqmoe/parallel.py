@@ -41,6 +41,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from eqmoe.params import param_info
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
@@ -216,9 +218,7 @@ def _is_array(x: Any) -> bool:
 def tree_shardings(tree: Any, parallelism: Parallelism) -> Any:
     """A ``NamedSharding`` for every array leaf of ``tree`` (a model, a train state, its abstract shape);
     ``None`` for the other leaves. Parameters (and optimizer state shaped like them) are split by the
-    logical axes they declare (:func:`eqmoe.nn.param_info`); other arrays are replicated."""
-
-    from eqmoe.nn._params import param_info  # eqmoe.nn imports this module
+    logical axes they declare (:func:`eqmoe.params.param_info`); other arrays are replicated."""
 
     def sharding(leaf, info):
         if not _is_array(leaf):

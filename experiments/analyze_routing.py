@@ -32,13 +32,13 @@ import numpy as np
 import tyro
 
 from eqmoe.analysis import routing_maps as maps
-from eqmoe.data import load_tokenizer
-from eqmoe.data.corpus import load_documents, pack_documents, synthetic_documents
+from eqmoe.analysis.evaluate import plot_domain_routing
+from eqmoe.checkpoints.source import load_source, source_tokenizer
+from eqmoe.data.corpus import EVAL_CHARS_PER_DOMAIN, load_documents, pack_documents, synthetic_documents
 from eqmoe.data.packing import PackedRows
 from eqmoe.model import Transformer
 from eqmoe.train.logging import save_figure, write_json_atomic
 from experiments._cli import UsageError, guarded
-from experiments.pretrain import DataOptions, plot_routing
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Args:
     data: tuple[Path, ...] = ()
     """Text files (one document each) or JSONL files of {"text", "domain"} (default: the built-in corpus)."""
 
-    chars_per_domain: int = DataOptions().eval_chars_per_domain
+    chars_per_domain: int = EVAL_CHARS_PER_DOMAIN
     """Built-in corpus: characters of each domain's held-out split to draw rows from."""
 
     tokens: int = 8192
@@ -108,43 +108,6 @@ def _check(args: Args) -> None:
         raise UsageError(f"--chars-per-domain {args.chars_per_domain}: must be at least 1")
     if not 0 <= args.dead_threshold <= 1:
         raise UsageError(f"--dead-threshold {args.dead_threshold}: must be in [0, 1]")
-    if args.step is not None and args.checkpoint is None:
-        raise UsageError("--step goes with --checkpoint")
-
-
-def load_model(args: Args) -> tuple[Transformer, Path, dict]:
-    """The model, its folder and the metadata its checkpoint recorded (empty for --hf)."""
-    if (args.hf is None) == (args.checkpoint is None):
-        raise UsageError("give one of --checkpoint DIR (an eqmoe checkpoint) or --hf DIR (a Hugging Face folder)")
-    folder = args.hf or args.checkpoint
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: model folder not found")
-    if args.hf is not None:
-        from eqmoe.checkpoints import hf
-
-        return hf.load(args.hf, dtype=args.dtype), folder, {}
-    from eqmoe.checkpoints.model_checkpoint import load_model as load_checkpoint
-
-    model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype)
-    return model, folder, recorded
-
-
-def load_text_tokenizer(args: Args, folder: Path, recorded: dict, vocab_size: int):
-    """``--tokenizer``, the folder's tokenizer.json, the run's recorded one, else bytes (see the module doc)."""
-    path = args.tokenizer
-    if path is None and (folder / "tokenizer.json").is_file():
-        path = folder
-    if path is None and isinstance(recorded.get("tokenizer"), str):
-        path = Path(recorded["tokenizer"])
-    if path is not None and not path.exists():
-        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer DIR or DIR/tokenizer.json)")
-    tokenizer = load_tokenizer(path, chat=False)
-    if tokenizer.vocab_size > vocab_size:
-        raise UsageError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has {vocab_size}"
-            + ("" if path else " (pass --tokenizer)")
-        )
-    return tokenizer
 
 
 def packed_rows(args: Args, tokenizer) -> tuple[PackedRows, np.ndarray, tuple[str, ...], str]:
@@ -312,7 +275,7 @@ def write_outputs(
     names = list(figures)
     if domains:
         nmi = results.domains.nmi.tolist()
-        plot_routing(results.domains.counts.astype(np.float64), domains, out / "domains.png", nmi)
+        plot_domain_routing(results.domains.counts.astype(np.float64), domains, out / "domains.png", nmi)
         names.append("domains.png")
     summary["figures"] = names
     if args.trace is not None:
@@ -367,8 +330,13 @@ def print_summary(summary: dict, args: Args) -> None:
 
 def run(args: Args) -> dict:
     _check(args)
-    model, folder, recorded = load_model(args)
-    tokenizer = load_text_tokenizer(args, folder, recorded, model.config.vocab_size)
+    source = load_source(hf_folder=args.hf, checkpoint=args.checkpoint, step=args.step, dtype=args.dtype)
+    model, folder = source.model, source.folder
+    tokenizer = source_tokenizer(source, args.tokenizer, chat=False, bytes_if_none=True)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has {model.config.vocab_size}"
+        )
     rows, labels, domains, note = packed_rows(args, tokenizer)
     records = record(model, rows, labels, args.batch_size)
     results = analyze(records, len(domains), args)

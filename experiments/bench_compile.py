@@ -1,12 +1,15 @@
 """How the compile time of a training step grows with depth, scanned (``lax.scan``) versus unrolled.
 
     python -m experiments.bench_compile --layers 4 48 --batch 2 --seq 64 --out compile.json
+    python -m experiments.bench_compile --layers 4 48 --window 16        # sliding and full layers alternating
 
 For each depth, builds ``qwen3-moe-tiny`` with that many MoE layers (shapes only, via
 ``eqx.filter_eval_shape``: nothing is allocated), then times ``jax.jit(step).lower(...)`` and
 ``.compile()`` of ``step = jax.value_and_grad(loss)``, ``loss`` being ``eqmoe.losses.objective``.
-With ``scan_layers=True`` the program holds one copy of the block whatever the depth, so its
-compile time should stay nearly flat; unrolled, it grows with the number of layers.
+With ``scan_layers=True`` the program holds one copy of the repeat unit whatever the depth, so its
+compile time should stay nearly flat; unrolled, it grows with the number of layers. With ``--window`` the
+layers alternate sliding (that window) and full attention, as gpt-oss's ``layer_types``: the segments derived
+from the per-layer list are one scan over ``layers / 2`` repeats of a two-layer unit.
 """
 
 import json
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import tyro
 
 from eqmoe import presets
-from eqmoe.config import ModelConfig, segments_from_kinds
+from eqmoe.config import LayerKind, ModelConfig, segments
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
 
@@ -38,6 +41,9 @@ class Args:
 
     preset: str = "qwen3-moe-tiny"
     """Preset giving the width; only its ``layers`` is replaced."""
+
+    window: int | None = None
+    """Alternate sliding layers of this window with full ones (default: every layer full)."""
 
     out: Path | None = None
     """Write the results as JSON to this path."""
@@ -78,7 +84,12 @@ def main(args: Args) -> int:
     base = presets.get(args.preset)
 
     def config(layers: int, scan: bool) -> ModelConfig:
-        return base.replace(layers=segments_from_kinds(["moe"] * layers), scan_layers=scan)
+        if args.window is None:
+            return base.replace(layers=("moe",) * layers, scan_layers=scan)
+        if layers % 2:
+            raise SystemExit(f"--window alternates sliding and full layers: --layers {layers} must be even")
+        unit = (LayerKind(ffn="moe", window=args.window), LayerKind(ffn="moe"))
+        return base.replace(layers=unit * (layers // 2), scan_layers=scan)
 
     time_compile(config(min(args.layers), True), args.batch, args.seq)  # warm-up: backend start, caches
     timings = [
@@ -88,7 +99,12 @@ def main(args: Args) -> int:
     ]
 
     backend = jax.default_backend()
+    pattern = "every layer full" if args.window is None else f"sliding (window {args.window}) and full alternating"
+    units = ", ".join(
+        f"{len(s.unit)}-layer unit x {s.repeats}" for s in segments(config(max(args.layers), True).layers)
+    )
     print(f"{args.preset}, batch {args.batch}, seq {args.seq}, backend {backend}, jax {jax.__version__}")
+    print(f"layers: {pattern}; {max(args.layers)} layers scan as {units}")
     print(f"{'mode':<9} {'layers':>6} {'lower s':>8} {'compile s':>10} {'total s':>8} {'hlo lines':>10}")
     for t in timings:
         mode = "scan" if t.scan_layers else "unrolled"
@@ -106,6 +122,7 @@ def main(args: Args) -> int:
         results = [{**asdict(t), "total_s": t.total_s} for t in timings]
         report = {
             "preset": args.preset,
+            "window": args.window,
             "batch": args.batch,
             "seq": args.seq,
             "backend": backend,

@@ -28,7 +28,6 @@ random ``g``, w.r.t. the inputs and parameters); there ``ratio`` = transformers 
 
 import copy
 import dataclasses
-import inspect
 import os
 import platform
 import statistics
@@ -344,54 +343,34 @@ def eqmoe_first_block(model):
 
 
 def eqmoe_attention_sublayer(block, shape: Shape) -> tuple[Callable, tuple]:
-    """``(fn, const)``: ``fn((attn_norm, attention, x), const)`` is the block's attention sub-layer.
+    """``(fn, const)``: ``fn((attn_norm, attention, x), const)`` is the block's attention sub-layer, called with
+    the context the model builds for a train batch (one packed segment per row, every token real)."""
+    from eqmoe.nn.context import Context, attention_mask
 
-    The one place that knows ``Attention.__call__``'s arguments beyond ``x``: it reads the signature and
-    passes, by name, whatever of cos/sin (RoPE tables), mask (``attention_mask(segment_ids, token_mask)``,
-    as the model builds it for a train batch), segment_ids, positions and token_mask it asks for (one
-    packed segment per row, every token real)."""
-    from eqmoe.nn import attention as attention_module
-
-    parameters = list(inspect.signature(type(block.attention).__call__).parameters.values())[2:]
-    names = [p.name for p in parameters]
-    batch, seq, config = shape.batch, shape.seq, block.attention.config
+    batch, seq = shape.batch, shape.seq
 
     @jax.jit
-    def derived(segment_ids, positions, token_mask):  # one compilation, not one per eager op
-        values = {"segment_ids": segment_ids, "positions": positions, "token_mask": token_mask}
-        if {"cos", "sin"} & set(names):
-            from eqmoe.nn.rope import rope_tables
+    def context(segment_ids, positions, token_mask):  # one compilation, not one per eager op
+        return Context(positions, token_mask, segment_ids, attention_mask(segment_ids, token_mask))
 
-            values["cos"], values["sin"] = rope_tables(
-                positions, config.head_dim, config.rope_theta, jnp.float32, config.rope_layout
-            )
-        if "mask" in names:
-            values["mask"] = attention_module.attention_mask(segment_ids, token_mask)
-        return values
-
-    values = derived(np.ones((batch, seq), np.int32), _positions(batch, seq), np.ones((batch, seq), bool))
-    missing = [p.name for p in parameters if p.name not in values and p.default is inspect.Parameter.empty]
-    if missing:
-        raise RuntimeError(f"bench_model's attention adapter does not know Attention.__call__ arguments {missing}")
-    used = tuple(name for name in names if name in values)
+    const = context(np.ones((batch, seq), np.int32), _positions(batch, seq), np.ones((batch, seq), bool))
 
     def fn(diff, const):
         norm, attention, x = diff
-        return attention(norm(x), **dict(zip(used, const, strict=True)))
+        return attention(norm(x), const[0])[0]
 
-    return fn, tuple(values[name] for name in used)
+    return fn, (const,)
 
 
 def eqmoe_backends(model, shape: Shape) -> str:
     """The MoE dispatch and attention backends the model resolves to on this platform (for the printout)."""
-    from eqmoe.nn import attention as attention_module
+    from eqmoe.nn.attention_backends import backend_name
+    from eqmoe.nn.context import attention_mask
 
     moe = dispatch.resolve(model.config.moe).__name__
-    attention = getattr(model.config.attention, "backend", "dense")
-    if hasattr(attention_module, "backend_name"):
-        ones = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
-        mask = jax.eval_shape(attention_module.attention_mask, ones, ones.update(dtype=jnp.bool_))
-        attention = attention_module.backend_name(model.config.attention, mask, model.config.dtype)
+    ones = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
+    mask = jax.eval_shape(attention_mask, ones, ones.update(dtype=jnp.bool_))
+    attention = backend_name(model.config.attention, mask, model.config.dtype)
     return f"moe {moe}, attention {attention}"
 
 
@@ -424,9 +403,9 @@ def components(shape: Shape, model, reference, rng: np.random.Generator) -> list
     init = Init("normal", 0.02, jnp.dtype("float32"))
     abstract = eqx.filter_eval_shape(SwiGLU, shape.embed, width, init=init, key=jax.random.key(0))
     dense = jax.tree.map(lambda leaf: jnp.asarray(0.02 * rng.standard_normal(leaf.shape, np.float32)), abstract)
-    linears = [torch.nn.Linear(*w.shape, bias=False) for w in (dense.w_gate, dense.w_up, dense.w_down)]
+    linears = [torch.nn.Linear(*w.shape, bias=False) for w in (dense.gate.weight, dense.up.weight, dense.down.weight)]
     with torch.no_grad():
-        for linear, w in zip(linears, (dense.w_gate, dense.w_up, dense.w_down), strict=True):
+        for linear, w in zip(linears, (dense.gate.weight, dense.up.weight, dense.down.weight), strict=True):
             linear.weight.copy_(to_torch(w).T)
 
     def head(diff, const):  # the model's own output path on the embedded tokens
@@ -445,11 +424,11 @@ def components(shape: Shape, model, reference, rng: np.random.Generator) -> list
             (layer.input_layernorm, layer.self_attn, x_t), (rope, causal),
         ),
         Component(
-            "moe", lambda diff, const: diff[0](diff[1], *const)[0], (block.ffn, h), (token_mask,),
+            "moe", lambda diff, const: diff[0](diff[1])[0], (block.ffn, h), (),
             lambda mlp, h: mlp(h), (layer.mlp, h_t), (),
         ),
         Component(
-            f"dense_swiglu_{width}", lambda diff, const: diff[0](diff[1]), (dense, h), (),
+            f"dense_swiglu_{width}", lambda diff, const: diff[0](diff[1])[0], (dense, h), (),
             lambda gate, up, down, h: down(torch.nn.functional.silu(gate(h)) * up(h)), (*linears, h_t), (),
         ),
         Component(

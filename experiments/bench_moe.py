@@ -114,10 +114,10 @@ def _hf_block(args: Args, moe: MoE):
     block = Qwen3MoeSparseMoeBlock(config)
     experts = moe.experts
     with torch.no_grad():
-        block.gate.weight.copy_(torch.from_numpy(np.asarray(moe.router.weight).T.copy()))
-        gate_up = np.concatenate([np.asarray(experts.w_gate), np.asarray(experts.w_up)], axis=2)
+        block.gate.weight.copy_(torch.from_numpy(np.asarray(moe.router.gate.weight).T.copy()))
+        gate_up = np.concatenate([np.asarray(experts.gate.weight), np.asarray(experts.up.weight)], axis=2)
         block.experts.gate_up_proj.copy_(torch.from_numpy(gate_up.transpose(0, 2, 1).copy()))
-        block.experts.down_proj.copy_(torch.from_numpy(np.asarray(experts.w_down).transpose(0, 2, 1).copy()))
+        block.experts.down_proj.copy_(torch.from_numpy(np.asarray(experts.down.weight).transpose(0, 2, 1).copy()))
     return block, torch
 
 

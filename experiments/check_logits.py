@@ -30,7 +30,7 @@ import tyro
 
 from eqmoe.analysis.logits import compare_logits
 from eqmoe.checkpoints import hf
-from eqmoe.checkpoints.model_checkpoint import load_model
+from eqmoe.checkpoints.source import load_source
 from eqmoe.data import HFTokenizer
 
 DEFAULT_PROMPTS = (
@@ -121,15 +121,14 @@ def main(args: Args) -> int:
             raise FileNotFoundError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
         if args.candidate is not None and args.checkpoint is not None:
             raise ValueError("give --candidate or --checkpoint, not both")
-        if args.checkpoint is not None:
-            model, _ = load_model(args.checkpoint, step=args.step, dtype=args.dtype, base=args.base)
-            expected = hf.read_config(args.hf).vocab_size
-            if model.config.vocab_size != expected:
-                raise ValueError(
-                    f"{args.checkpoint}: vocabulary of {model.config.vocab_size} ids, but {args.hf} has {expected}"
-                )
-        else:
-            model = hf.load(args.candidate or args.hf, dtype=args.dtype)
+        candidate = None if args.checkpoint is not None else (args.candidate or args.hf)
+        model = load_source(
+            hf_folder=candidate, checkpoint=args.checkpoint, step=args.step, base=args.base, dtype=args.dtype
+        ).model
+        expected = hf.read_config(args.hf).vocab_size
+        if model.config.vocab_size != expected:
+            source = args.checkpoint or candidate
+            raise ValueError(f"{source}: vocabulary of {model.config.vocab_size} ids, but {args.hf} has {expected}")
         prompts = _prompt_ids(args, model.config.vocab_size)
     except (ValueError, FileNotFoundError) as error:
         print(f"check_logits: {' '.join(str(error).split())}", file=sys.stderr)

@@ -27,6 +27,7 @@ import tyro
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.checkpoints.peft import save_adapters
+from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import tokenizer_vocab_size
 from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
@@ -74,10 +75,10 @@ def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[P
     return files
 
 
-def recorded_tokenizer(metadata: dict) -> Path | None:
+def recorded_tokenizer(metadata: RunMetadata) -> Path | None:
     """The tokenizer.json a training run recorded in its checkpoint metadata, when it still exists."""
-    path = metadata.get("tokenizer")
-    return Path(path) if isinstance(path, str) and Path(path).is_file() else None
+    path = metadata.tokenizer_path()
+    return path if path is not None and path.is_file() else None
 
 
 def _check_output(path: Path, overwrite: bool) -> None:
@@ -95,7 +96,11 @@ def to_checkpoint(args: Args) -> str:
     dtype = hf.stored_dtype(args.hf) if args.dtype == "auto" else args.dtype
     model = hf.load(args.hf, dtype=dtype)
     save_model(
-        model, args.out, metadata={"source": str(args.hf.absolute())}, overwrite=args.overwrite, extra_files=extra
+        model,
+        args.out,
+        metadata=RunMetadata(model.config, source=str(args.hf.absolute())),
+        overwrite=args.overwrite,
+        extra_files=extra,
     )
     return f"{args.hf} -> {args.out} ({dtype})"
 
@@ -112,8 +117,8 @@ def to_hf(args: Args) -> str:
     if args.adapter_only:
         if not merged:
             raise UsageError(f"{args.checkpoint}: --adapter-only: the checkpoint has no LoRA adapters")
-        base = metadata.get("base") or {}
-        base_path = args.base or (base.get("path") if base.get("format") == "hf" else None)
+        base = metadata.base
+        base_path = args.base or (base.path if base is not None and base.format == "hf" else None)
         save_adapters(model, args.to_hf, base_model=None if base_path is None else str(base_path), overwrite=True)
         return f"{args.checkpoint} -> {args.to_hf} (LoRA adapters only, PEFT layout)"
     model = merge_lora(model)  # LoRA adapters folded into the weights transformers reads

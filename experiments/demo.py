@@ -66,7 +66,7 @@ def main(args: Args) -> int:
         print(f"demo: {error}", file=sys.stderr)
         return 2
     total, active = count_parameters(config)
-    print(f"{args.preset}: {total:,} parameters, {active:,} active per token, layers {config.layer_kinds()}")
+    print(f"{args.preset}: {total:,} parameters, {active:,} active per token, layers {config.ffn_kinds()}")
 
     model_key, data_key = jax.random.split(jax.random.key(args.seed))
     model = Transformer(config, key=model_key)

@@ -34,15 +34,8 @@ import jax.numpy as jnp
 import tyro
 
 from eqmoe import parallel
-from eqmoe.data import (
-    ByteTokenizer,
-    Conversation,
-    HFTokenizer,
-    check_conversation,
-    end_of_turn_ids,
-    load_tokenizer,
-    prompt_ids,
-)
+from eqmoe.checkpoints.source import load_source, source_tokenizer
+from eqmoe.data import ByteTokenizer, Conversation, HFTokenizer, check_conversation, end_of_turn_ids, prompt_ids
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
 from experiments._cli import MeshOptions, UsageError, guarded, parse_template_vars
@@ -111,47 +104,23 @@ class Args:
     """Logical-axis rule overrides (see eqmoe.parallel.DEFAULT_RULES)."""
 
 
-def _tokenizer(path: Path, args: Args, recorded: dict) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer (folder or tokenizer.json) with the chat template asked for or recorded by the run."""
-    if not path.exists():
-        raise UsageError(f"{path}: tokenizer not found (pass --tokenizer DIR or DIR/tokenizer.json)")
-    template, variables = _template(args, recorded)
-    return load_tokenizer(path, chat=_is_chat(args), chat_template=template, template_vars=variables)
-
-
 def _is_chat(args: Args) -> bool:
     return args.chat or args.messages is not None
 
 
-def _template(args: Args, recorded: dict) -> tuple[Path | None, dict]:
-    variables = {**(recorded.get("template_vars") or {}), **parse_template_vars(args.template_var)}
-    template = args.chat_template or (Path(recorded["chat_template"]) if recorded.get("chat_template") else None)
-    return template, variables
-
-
 def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokenizer]:
     """The model to generate with, the folder its generation settings sit in, and its tokenizer."""
-    if (args.hf is None) == (args.checkpoint is None):
-        raise UsageError("give one of --hf DIR (a Hugging Face folder) or --checkpoint DIR (an eqmoe checkpoint)")
-    folder = args.hf or args.checkpoint
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: model folder not found")
-    if args.hf is not None:
-        from eqmoe.checkpoints import hf
-
-        model, recorded = hf.load(args.hf, dtype=args.dtype), {}
-    else:
-        from eqmoe.checkpoints.model_checkpoint import load_model as load_checkpoint
-
-        model, recorded = load_checkpoint(args.checkpoint, step=args.step, dtype=args.dtype, base=args.base)
-    if args.tokenizer is not None or (folder / "tokenizer.json").is_file():
-        return model, folder, _tokenizer(args.tokenizer or folder, args, recorded)
-    if recorded.get("tokenizer") is None and "tokenizer" in recorded:  # the run trained on bytes
-        template, variables = _template(args, recorded)
-        return model, folder, load_tokenizer(None, chat_template=template, template_vars=variables)
-    if isinstance(recorded.get("tokenizer"), str):
-        return model, folder, _tokenizer(Path(recorded["tokenizer"]), args, recorded)
-    raise UsageError(f"{folder}: no tokenizer.json (pass --tokenizer DIR or DIR/tokenizer.json)")
+    source = load_source(
+        hf_folder=args.hf, checkpoint=args.checkpoint, step=args.step, base=args.base, dtype=args.dtype
+    )
+    tokenizer = source_tokenizer(
+        source,
+        args.tokenizer,
+        chat=_is_chat(args),
+        chat_template=args.chat_template,
+        template_vars=parse_template_vars(args.template_var),
+    )
+    return source.model, source.folder, tokenizer
 
 
 def default_eos_ids(folder: Path) -> list[int]:

@@ -22,19 +22,24 @@ from pathlib import Path
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, parallel, presets
-from eqmoe.analysis.routing import accumulate, summarize
+from eqmoe import Transformer, presets
+from eqmoe.analysis.evaluate import plot_domain_routing, routing_metrics
+from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.config_io import apply_overrides, config_to_dict, parse_override
 from eqmoe.data import PackedDataset, load_tokenizer
-from eqmoe.data.corpus import load_documents, pack_documents, split_documents, synthetic_documents
+from eqmoe.data.corpus import (
+    EVAL_CHARS_PER_DOMAIN,
+    load_documents,
+    pack_documents,
+    split_documents,
+    synthetic_documents,
+)
 from eqmoe.train import loop
-from eqmoe.train.logging import new_figure, plot_metrics, save_figure, write_json_atomic
+from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
-from eqmoe.train.step import held_out_batches, routing_eval_step
 from experiments._cli import MeshOptions, UsageError, guarded
 
 
@@ -62,7 +67,7 @@ class DataOptions:
     """Rows per step."""
     chars_per_domain: int = 400_000
     """Built-in corpus: training characters of each domain."""
-    eval_chars_per_domain: int = 20_000
+    eval_chars_per_domain: int = EVAL_CHARS_PER_DOMAIN
     """Built-in corpus: held-out characters of each domain."""
 
 
@@ -102,54 +107,6 @@ def _documents(options: DataOptions, seed: int):
     return train, held_out, f"{len(documents)} documents from {len(options.data)} file(s)"
 
 
-def evaluate(model: Transformer, rows, labels, num_domains: int, batch_size: int) -> dict:
-    """Token-weighted eval loss over every held-out row, and the routing statistics per MoE layer."""
-    loss_sum, tokens, stats = 0.0, 0.0, None
-    for batch, index, real in held_out_batches(rows, batch_size):
-        domains = jax.nn.one_hot(np.where(real[:, None], labels[index], -1), num_domains, dtype=jnp.float32)
-        domains = parallel.replicated_batch(np.asarray(domains), parallel.current(), ("batch", "seq", None))
-        terms, aux = parallel.to_host(routing_eval_step(model, batch, domains))
-        loss_sum += float(terms["cross_entropy"]) * float(terms["target_tokens"])
-        tokens += float(terms["target_tokens"])
-        if aux is not None:
-            stats = accumulate(stats, aux)
-    record = {"eval_loss": loss_sum / max(tokens, 1.0)}
-    if stats is not None:
-        summary = summarize(stats)
-        record.update(
-            eval_load_cv=float(summary.load_cv.mean()),
-            eval_max_min_ratio=float(summary.max_min_ratio.mean()),
-            eval_dropped_fraction=float(summary.dropped_fraction.mean()),
-            eval_router_entropy=float(summary.entropy.mean()),
-            eval_domain_nmi=float(summary.domain_nmi.mean()),
-            layers={
-                "load": summary.load.tolist(),
-                "load_cv": summary.load_cv.tolist(),
-                "max_min_ratio": summary.max_min_ratio.tolist(),
-                "dropped_fraction": summary.dropped_fraction.tolist(),
-                "router_entropy": summary.entropy.tolist(),
-                "domain_nmi": summary.domain_nmi.tolist(),
-                "domain_counts": np.asarray(stats.domain_counts).tolist(),
-            },
-        )
-    return record
-
-
-def plot_routing(domain_counts: np.ndarray, domains: tuple[str, ...], path: Path, nmi: list[float]) -> None:
-    """``routing.png``: per MoE layer, the share of each domain's assignments that went to each expert."""
-    layers = domain_counts.shape[0]
-    figure = new_figure(figsize=(3.2 * layers, 0.5 * len(domains) + 1.6))
-    axes = figure.subplots(1, layers, squeeze=False)
-    shares = domain_counts / np.maximum(domain_counts.sum(-1, keepdims=True), 1.0)
-    for layer, axis in enumerate(axes[0]):
-        axis.imshow(shares[layer], vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        axis.set_title(f"MoE layer {layer}  NMI {nmi[layer]:.2f}", fontsize=9)
-        axis.set_xlabel("expert")
-        axis.set_yticks(range(len(domains)), domains if layer == 0 else [""] * len(domains))
-    figure.tight_layout()
-    save_figure(figure, path)
-
-
 def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     options, out_dir = args.run, args.run.out_dir
@@ -175,7 +132,8 @@ def run(args: Args) -> dict:
     )
 
     def evaluate_model(model):
-        return evaluate(model, held_out.packed.rows, held_out.packed.labels, len(train.domains), args.data.batch_size)
+        rows, labels = held_out.packed.rows, held_out.packed.labels
+        return routing_metrics(model, rows, labels, len(train.domains), args.data.batch_size)
 
     model = Transformer(config, key=jax.random.key(options.seed))
     result = loop.train(
@@ -185,7 +143,12 @@ def run(args: Args) -> dict:
         dataset=dataset,
         batch_size=args.data.batch_size,
         evaluate=evaluate_model,
-        metadata={},
+        # what generate, convert and analyze_routing decode the run's text with
+        metadata=RunMetadata(
+            config,
+            tokenizer=None if args.data.tokenizer is None else str(args.data.tokenizer.absolute()),
+            bytes_tokenizer=args.data.tokenizer is None,
+        ),
         parallelism=parallelism,
         arguments=dataclasses.asdict(args),
     )
@@ -194,7 +157,9 @@ def run(args: Args) -> dict:
         plot_metrics(result.metrics.records(), out_dir / "metrics.png")
     layers = final.pop("layers", None)
     if layers is not None and jax.process_index() == 0:
-        plot_routing(np.asarray(layers["domain_counts"]), train.domains, out_dir / "routing.png", layers["domain_nmi"])
+        plot_domain_routing(
+            np.asarray(layers["domain_counts"]), train.domains, out_dir / "routing.png", layers["domain_nmi"]
+        )
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
         **final,

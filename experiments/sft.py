@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, parallel, presets
+from eqmoe import Transformer, presets
+from eqmoe.analysis.evaluate import chat_metrics
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.base import BaseModel, identify
 from eqmoe.checkpoints.model_checkpoint import load_model
+from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_to_dict
 from eqmoe.data import (
@@ -49,10 +51,10 @@ from eqmoe.data import (
 )
 from eqmoe.data.chat import message_text
 from eqmoe.lora import LoRAConfig, add_lora, merge_lora
+from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
-from eqmoe.train.step import eval_step, held_out_batches
 from experiments._cli import MeshOptions, TokenizerOptions, UsageError, guarded
 
 
@@ -97,7 +99,9 @@ def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
     if config.moe is None:
         raise UsageError("--dispatch: the model has no MoE layers")
     try:
-        return config.replace(moe=dataclasses.replace(config.moe, dispatch=options.dispatch))
+        config = config.replace(moe=dataclasses.replace(config.moe, dispatch=options.dispatch))
+        check_names(config)  # a backend is looked up by name: refuse an unregistered one at the start
+        return config
     except ValueError as error:
         raise UsageError(f"--dispatch: {error}") from None
 
@@ -239,24 +243,6 @@ def _chat_data(options: DataOptions, tokenizer, seed: int, samples: int) -> Chat
     return ChatData(train, held_out, conversations, note, None)
 
 
-def _evaluate(model: Transformer, rows, batch_size: int) -> dict[str, float]:
-    """Token-weighted eval loss and exact match over every held-out row (padded to whole batches)."""
-    totals: dict[str, float] = {}
-    for batch, _, _ in held_out_batches(rows, batch_size):
-        terms = {k: float(v) for k, v in parallel.to_host(eval_step(model, batch)).items()}
-        weight = terms["target_tokens"]
-        for name in ("loss", "cross_entropy"):
-            totals[name] = totals.get(name, 0.0) + terms[name] * weight
-        for name in ("target_tokens", "exact_match_correct", "exact_match_documents"):
-            totals[name] = totals.get(name, 0.0) + terms[name]
-    tokens = max(totals["target_tokens"], 1.0)
-    return {
-        "eval_loss": totals["loss"] / tokens,
-        "eval_cross_entropy": totals["cross_entropy"] / tokens,
-        "eval_accuracy": totals["exact_match_correct"] / max(totals["exact_match_documents"], 1.0),
-    }
-
-
 def _samples(model: Transformer, tokenizer, conversations: list[Conversation], count: int) -> list[dict[str, str]]:
     """Greedy answers to the last assistant turn of each conversation, from the template's generation prompt."""
     from eqmoe.inference import generate
@@ -315,14 +301,16 @@ def run(args: Args) -> dict:
         run_options,
         dataset=dataset,
         batch_size=args.data.batch_size,
-        evaluate=lambda model: _evaluate(model, eval_rows, args.data.batch_size),
-        metadata={
-            "tokenizer": tokenizer_path,
-            "chat_template": None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
-            "template_vars": tokenizer.chat_template.variables,
-            "lora": None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
-            "base": None if base is None else base.to_json(),
-        },
+        evaluate=lambda model: chat_metrics(model, eval_rows, args.data.batch_size),
+        metadata=RunMetadata(
+            config,
+            tokenizer=tokenizer_path,
+            bytes_tokenizer=tokenizer_path is None,
+            chat_template=None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
+            template_vars=tokenizer.chat_template.variables,
+            lora=None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
+            base=base,
+        ),
         parallelism=parallelism,
         arguments=dataclasses.asdict(args),
     )
@@ -334,7 +322,7 @@ def run(args: Args) -> dict:
     for task in sorted(set(data.held_out_tasks or ())):
         pairs = [p for p, t in zip(data.held_out, data.held_out_tasks, strict=True) if t == task]
         rows = pack(pairs, seq_len, tokenizer.pad_id, overflow="truncate").rows
-        by_task[task] = _evaluate(model, rows, args.data.batch_size)["eval_accuracy"]
+        by_task[task] = chat_metrics(model, rows, args.data.batch_size)["eval_accuracy"]
     summary = {
         "final_loss": result.last_terms.get("loss", float("nan")),
         "eval_loss": result.final_eval["eval_loss"],

@@ -207,6 +207,16 @@ def assert_refused(folder: Path, config: dict, field: str) -> None:
     assert field in message, message
 
 
+def assert_ignored(folder: Path, config: dict, key: str, capsys) -> None:
+    """read_config accepts ``config`` written to ``folder``, reading it as without ``key`` (a key transformers does
+    not read for the family), and lists ``key`` on one "ignored" line naming the file."""
+    plain = hf.read_config(write_config(folder / "plain", {k: v for k, v in config.items() if k != key}))
+    capsys.readouterr()
+    assert hf.read_config(write_config(folder / "with", config)) == plain
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
+    assert len(lines) == 1 and str(folder / "with" / "config.json") in lines[0] and key in lines[0], lines
+
+
 def param_report(preset: str, capsys) -> dict:
     """experiments/param_report.py's JSON report of ``preset``."""
     assert main(Args(preset=preset, json=True)) == 0

@@ -105,7 +105,7 @@ def test_one_step_on_a_mesh_matches_one_device(mesh, variant):
     assert abs(mesh_loss - loss) < 1e-5
     for single, split in zip(grads, mesh_grads, strict=True):
         np.testing.assert_allclose(np.asarray(split), np.asarray(single), atol=1e-4, rtol=0)
-    w_gate = sharded.segments[0].blocks[0].ffn.experts.w_gate  # [layers, experts, embed, expert_dim]
+    w_gate = sharded.segments[0].blocks[0].ffn.experts.gate.weight  # [layers, experts, embed, expert_dim]
     local = w_gate.addressable_shards[0].data.shape
     assert local[1] == config.moe.router.num_experts // p.size("expert")
     assert local[2] == config.embed_dim // p.size("fsdp") and local[3] == config.moe.expert_dim // p.size("tensor")
@@ -122,7 +122,7 @@ def test_train_step_keeps_the_state_sharded_and_matches_one_device():
     with parallel.activate(p):
         state = init_state(model, optimizer, key=jax.random.key(1), parallelism=p)
         split, _ = step(_batch(p), state)
-    w_gate = split.model.segments[0].blocks[0].ffn.experts.w_gate
+    w_gate = split.model.segments[0].blocks[0].ffn.experts.gate.weight
     assert w_gate.sharding.spec[1] == "expert"
     leaves = [jax.tree.leaves(eqx.filter(state, eqx.is_array)) for state in (single, split)]
     for a, b in zip(*leaves, strict=True):

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqmoe.config import AttentionConfig
+from eqmoe.config import AttentionConfig, LayerKind, ModelConfig, NormConfig
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import Attention, attention_mask, backend_name, causal_mask, cudnn_attention
-from eqmoe.nn.flash import _blocks
-from eqmoe.nn.rope import rope_tables
+from eqmoe.nn.attention_backends import backend_name, cudnn_attention, dense_attention
+from eqmoe.nn.context import Context, attention_mask, causal_mask
+from eqmoe.nn.flash import _blocks, blockwise_attention
+from eqmoe.nn.gqa import GroupedQueryAttention
 
 BATCH, SEQ, EMBED, BLOCK = 2, 37, 16, 8  # 37 tokens: not a multiple of the block
 
@@ -37,19 +38,16 @@ def _masks():
     }
 
 
-def _attention(qk_norm: str, kv_heads: int, head_dim: int, backend: str) -> Attention:
+def _attention(qk_norm: str, kv_heads: int, head_dim: int, backend: str, window: int | None = None):
     config = AttentionConfig(
         num_heads=4, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=100.0, qk_norm=qk_norm, backend=backend
     )
     config = dataclasses.replace(config, block_size=BLOCK)
-    attention = Attention(
-        EMBED,
-        config,
-        eps=1e-6,
-        stats_dtype="float32",
-        init=Init("normal", 0.3, jnp.dtype("float32")),
-        key=jax.random.key(0),
+    model = ModelConfig(
+        vocab_size=8, embed_dim=EMBED, attention=config, layers=("dense",), mlp_dim=8, norm=NormConfig(eps=1e-6)
     )
+    init = Init("normal", 0.3, jnp.dtype("float32"))
+    attention = GroupedQueryAttention(model, LayerKind(ffn="dense", window=window), init=init, key=jax.random.key(0))
     if attention.q_norm is None:
         return attention
     k1, k2 = jax.random.split(jax.random.key(1))
@@ -57,15 +55,19 @@ def _attention(qk_norm: str, kv_heads: int, head_dim: int, backend: str) -> Atte
     return eqx.tree_at(lambda a: (a.q_norm.weight, a.k_norm.weight), attention, scales)
 
 
-def _loss_and_grads(attention: Attention, x, mask, cotangent):
-    positions = jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ))
-    cos, sin = rope_tables(positions, attention.config.head_dim, 100.0, jnp.float32)
+def _context(mask, seq: int = SEQ, batch: int = BATCH) -> Context:
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    return Context(positions, mask.key_valid, mask.query_segment, mask)
+
+
+def _loss_and_grads(attention, x, mask, cotangent):
+    context = _context(mask)
 
     @eqx.filter_jit
     @eqx.filter_value_and_grad(has_aux=True)
     def run(parts):
         attention, x = parts
-        out = attention(x, cos, sin, mask)
+        out, _ = attention(x, context)
         return jnp.sum(out * cotangent), out
 
     (_, out), grads = run((attention, x))
@@ -114,16 +116,14 @@ def test_bfloat16_blockwise_stays_close_to_float32():
     mask = _masks()["packed"]
     full, _ = _loss_and_grads(attention, x, mask, jnp.ones_like(x))
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, attention)
-    positions = jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ))
-    cos, sin = rope_tables(positions, 8, 100.0, jnp.bfloat16)
-    out = eqx.filter_jit(lambda a, x: a(x, cos, sin, mask))(half, x.astype(jnp.bfloat16))
+    out = eqx.filter_jit(lambda a, x: a(x, _context(mask))[0])(half, x.astype(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), full, atol=0.05)
 
 
-def _live_tiles(mask, block: int) -> int:
+def _live_tiles(mask, block: int, window: int | None = None) -> int:
     padded = -(-SEQ // block) * block
-    return int(_blocks(mask, padded, padded, block, block).live.sum())
+    return int(_blocks(mask, padded, padded, block, block, window).live.sum())
 
 
 def test_hidden_tiles_are_skipped():
@@ -155,12 +155,86 @@ def test_auto_picks_cudnn_on_gpu_only_where_the_mask_allows_and_logs_the_choice(
             scale=1.0,
             block_size=8,
         )
+    assert backend_name(config, plain, jnp.bfloat16, platform="gpu", window=4) == "blockwise"  # cuDNN: no window
+    assert backend_name(config, plain, jnp.bfloat16, platform="gpu", same_widths=False) == "blockwise"
     attention = _attention("none", 2, 8, "auto")
-    positions = jnp.arange(16)[None]
-    cos, sin = rope_tables(positions, 8, 100.0, jnp.float32)
-    with caplog.at_level(logging.INFO, logger="eqmoe.nn.attention"):
-        from eqmoe.nn import attention as attention_module
+    with caplog.at_level(logging.INFO, logger="eqmoe.nn.attention_backends"):
+        from eqmoe.nn import attention_backends
 
-        attention_module._logged.clear()
-        attention(jnp.zeros((1, 16, EMBED)), cos, sin, plain)
+        attention_backends._logged.clear()
+        attention(jnp.zeros((1, 16, EMBED)), _context(plain, 16, 1))
     assert "attention backend 'auto' runs as 'blockwise'" in caplog.text
+
+
+# --- sliding windows and a value width of its own --------------------------------------------------------------
+
+
+def _numpy_attention(q, k, v, visible, scale):
+    """``softmax(scale q k^T)`` over the visible keys times ``v``, in float64; a query that sees nothing gets 0.
+    ``q [b, n, g, T, d]``, ``k [b, n, S, d]``, ``v [b, n, S, e]``, ``visible [b, T, S]``."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("bngtd,bnsd->bngts", q, k) * scale
+    visible = np.asarray(visible)[:, None, None]
+    scores = np.where(visible, scores, -np.inf)
+    top = np.max(np.where(visible, scores, -np.inf), axis=-1, keepdims=True)
+    weights = np.where(visible, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0)
+    total = weights.sum(-1, keepdims=True)
+    return np.einsum("bngts,bnse->bngte", weights / np.where(total > 0, total, 1), v)
+
+
+def _numpy_visible(mask, window: int | None) -> np.ndarray:
+    """The published rule, written out: query ``q`` sees key ``k`` when ``k <= q`` (and ``q - window < k``),
+    both in one document, and the key is a real token."""
+    q_index, k_index = np.asarray(mask.query_index), np.asarray(mask.key_index)
+    seen = k_index[None, :] <= q_index[:, None]
+    if window is not None:
+        seen &= k_index[None, :] > q_index[:, None] - window
+    same = np.asarray(mask.query_segment)[:, :, None] == np.asarray(mask.key_segment)[:, None, :]
+    return seen[None] & same & np.asarray(mask.key_valid)[:, None, :]
+
+
+@pytest.mark.parametrize("window", [3, 8, 13, 100], ids=["3<tile", "8=tile", "13>tile", "100>length"])
+def test_sliding_windows_in_both_backends_equal_the_published_rule(window):
+    """Outputs against a NumPy softmax over ``q - W < k <= q`` (the sliding-window mask transformers builds), and
+    the blockwise kernel's outputs and gradients against the dense reference, for packed and padded rows and a
+    length (37) that is not a multiple of the tile (8)."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(kq, (BATCH, 2, 2, SEQ, 6))
+    k = jax.random.normal(kk, (BATCH, 2, SEQ, 6))
+    v = jax.random.normal(kv, (BATCH, 2, SEQ, 10))  # a value width of its own
+    cotangent = jax.random.normal(kc, (BATCH, 2, 2, SEQ, 10))
+    for name, mask in _masks().items():
+        want = _numpy_attention(q, k, v, _numpy_visible(mask, window), 0.4)
+        outputs, grads = {}, {}
+        for backend in (dense_attention, blockwise_attention):
+
+            def loss(q, k, v, backend=backend, mask=mask):
+                out = backend(q, k, v, mask, scale=0.4, block_size=BLOCK, window=window)
+                return jnp.sum(out * cotangent), out
+
+            (_, out), grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+            outputs[backend.__name__], grads[backend.__name__] = out, grad
+            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=f"{name} {backend.__name__}")
+        for want_grad, got_grad in zip(grads["dense_attention"], grads["blockwise_attention"], strict=True):
+            np.testing.assert_allclose(got_grad, want_grad, atol=1e-5 * max(1.0, float(np.abs(want_grad).max())))
+
+
+def test_a_sliding_layer_visits_only_the_tiles_its_window_reaches():
+    """With a window no wider than a tile each query block sees its own and at most one earlier key block:
+    ``2n - 1`` tiles instead of the causal ``n(n+1)/2``."""
+    n = -(-SEQ // BLOCK)
+    assert _live_tiles(causal_mask(BATCH, SEQ), BLOCK, window=BLOCK) == 2 * n - 1
+    assert _live_tiles(causal_mask(BATCH, SEQ), BLOCK, window=1) == n
+
+
+def test_a_sliding_gqa_layer_equals_the_full_one_within_its_window():
+    """The same weights, full and sliding: equal while no query is further than the window from its document's
+    start, different after."""
+    full = _attention("before_rope", 2, 8, "blockwise")
+    sliding = _attention("before_rope", 2, 8, "blockwise", window=5)
+    x = jax.random.normal(jax.random.key(2), (BATCH, SEQ, EMBED))
+    context = _context(causal_mask(BATCH, SEQ))
+    out_full, _ = full(x, context)
+    out_sliding, _ = sliding(x, context)
+    np.testing.assert_allclose(out_sliding[:, :5], out_full[:, :5], atol=1e-6)
+    assert float(jnp.max(jnp.abs(out_sliding[:, 5:] - out_full[:, 5:]))) > 1e-3

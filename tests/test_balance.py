@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eqmoe import Transformer, presets
-from eqmoe.config import MoEConfig, RouterConfig, Segment
+from eqmoe.config import MoEConfig, RouterConfig
 from eqmoe.models.qwen3_moe import config_to_hf
 from eqmoe.nn._init import Init
 from eqmoe.nn.router import Router
@@ -40,7 +40,7 @@ def test_sigmoid_routing_matches_numpy_and_bias_only_selects(renormalize):
     router = eqx.tree_at(lambda r: r.bias, router, jnp.asarray(bias))
     x = jax.random.normal(jax.random.key(2), (64, 16))
     routing = router(x, jnp.ones(64, bool))
-    logits = np.asarray(x @ router.weight, np.float64)
+    logits = np.asarray(x @ router.gate.weight, np.float64)
     weights, experts = _numpy_sigmoid_routing(logits, bias, 2, renormalize, 2.5)
     np.testing.assert_array_equal(np.asarray(routing.experts), experts)
     np.testing.assert_allclose(np.asarray(routing.weights), weights, rtol=1e-5)
@@ -51,10 +51,10 @@ def test_sigmoid_routing_matches_numpy_and_bias_only_selects(renormalize):
 def test_bias_updates_move_a_skewed_routing_toward_uniform():
     router = _router(rate=0.002)
     # Skew the gate: a shared direction in the tokens makes experts 0 and 1 win almost every time.
-    weight = np.asarray(router.weight).copy()
+    weight = np.asarray(router.gate.weight).copy()
     weight[:, 0] += 0.5
     weight[:, 1] += 0.3
-    router = eqx.tree_at(lambda r: r.weight, router, jnp.asarray(weight))
+    router = eqx.tree_at(lambda r: r.gate.weight, router, jnp.asarray(weight))
     x = jax.random.normal(jax.random.key(3), (512, 16)) + 1.0
     mask = jnp.ones(512, bool)
 
@@ -81,7 +81,7 @@ def _mixed_config(rate):
         router=RouterConfig(num_experts=8, top_k=2, strategy="sigmoid_top_k", bias_update_rate=rate),
         expert_dim=base.moe.expert_dim,
     )
-    layers = (Segment(("dense", "moe"), 2), Segment(("moe",), 3))
+    layers = ("dense", "moe") * 2 + ("moe",) * 3
     return base.replace(layers=layers, moe=moe, mlp_dim=64)
 
 
@@ -116,7 +116,7 @@ def test_train_step_moves_the_bias_only_by_the_balancing_rule():
     batch = Batch(tokens, jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(32), (4, 32)), jnp.ones((4, 32), bool))
     output = model(tokens)
     expected = update_router_biases(model, output.aux.expert_counts)
-    router_weight = np.asarray(model.segments[1].blocks[0].ffn.router.weight)
+    router_weight = np.asarray(model.segments[1].blocks[0].ffn.router.gate.weight)
     new_state, _ = make_train_step(optimizer, schedule)(batch, state)
     np.testing.assert_allclose(
         np.asarray(new_state.model.segments[1].blocks[0].ffn.router.bias),
@@ -128,7 +128,7 @@ def test_train_step_moves_the_bias_only_by_the_balancing_rule():
         np.asarray(expected.segments[0].blocks[1].ffn.router.bias),
         atol=1e-7,
     )
-    assert not np.allclose(np.asarray(new_state.model.segments[1].blocks[0].ffn.router.weight), router_weight)
+    assert not np.allclose(np.asarray(new_state.model.segments[1].blocks[0].ffn.router.gate.weight), router_weight)
 
 
 def test_biased_or_scaled_router_has_no_hugging_face_export():

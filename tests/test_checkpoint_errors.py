@@ -116,7 +116,7 @@ def test_fixture_covers_dense_and_moe_layers(shapes):
 def test_valid_folder_loads(folder, tensors):
     model = hf.load(folder)
     assert isinstance(model, Transformer)
-    assert model.config.layer_kinds() == ("dense", "moe")
+    assert model.config.ffn_kinds() == ("dense", "moe")
     np.testing.assert_array_equal(np.asarray(model.embed), tensors["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(model.lm_head), tensors["lm_head.weight"].T)
     np.testing.assert_array_equal(np.asarray(model.final_norm.weight), tensors["model.norm.weight"])
@@ -291,7 +291,7 @@ def test_invalid_architecture_in_config_names_the_field(folder):
         hf.load(folder)
     message = _message(excinfo)
     assert "config.json" in message
-    assert "num_kv_heads=3" in message
+    assert "num_key_value_heads=3" in message  # the config.json key, not eqmoe's field
 
 
 # --- sharded checkpoints -------------------------------------------------------------------------------

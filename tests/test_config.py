@@ -1,10 +1,13 @@
-"""Config validation, segments_from_kinds, the HF layer-kind rule and the preset registry.
+"""Config validation, the per-layer kinds and their scanned segments, the HF layer-kind rule and the preset
+registry.
 
 An invalid value raises ``ValueError`` from ``__post_init__`` naming ``Class.field=value`` and what is
-allowed. Under the test suite's jaxtyping + beartype import hook, a value outside a ``Literal`` (an unknown
-dispatch or placement string) is already refused by the type check on ``__init__`` (a ``TypeError``); the
-``ValueError`` that users without the hook get is checked by running ``__post_init__`` directly and, once,
-in a fresh interpreter without the hook.
+allowed. Under the test suite's jaxtyping + beartype import hook, a value outside a ``Literal`` is already
+refused by the type check on ``__init__`` (a ``TypeError``); the ``ValueError`` that users without the hook get
+is checked by running ``__post_init__`` directly and, once, in a fresh interpreter without the hook. A config is
+pure data: the names of registered parts (strategies, backends, placements, load-balance forms, attention and
+FFN kinds) are checked where parts are looked up (:func:`eqmoe.registries.check_names`, run by the model, by
+overrides and by every command), with the same one-line errors.
 """
 
 import dataclasses
@@ -20,15 +23,17 @@ from hypothesis import strategies as st
 from eqmoe import presets
 from eqmoe.config import (
     AttentionConfig,
+    LayerKind,
     LossConfig,
     ModelConfig,
     MoEConfig,
     NormConfig,
     RouterConfig,
     Segment,
-    segments_from_kinds,
+    segments,
 )
-from eqmoe.models.qwen3_moe import layer_kinds_from_hf
+from eqmoe.models.hf_config import layer_kinds_from_hf
+from eqmoe.registries import check_names
 
 
 def _attention(**changes) -> AttentionConfig:
@@ -49,7 +54,7 @@ def _model(**changes) -> ModelConfig:
             "vocab_size": 10,
             "embed_dim": 16,
             "attention": _attention(),
-            "layers": (Segment(("dense", "moe"), 2),),
+            "layers": ("dense", "moe") * 2,
             "mlp_dim": 32,
             "moe": _moe(),
             **changes,
@@ -67,7 +72,8 @@ def _assert_names(message: str, owner: str, field: str, value: object, *allowed:
 def test_valid_configs_construct():
     model = _model()
     assert model.num_layers == 4
-    assert model.layer_kinds() == ("dense", "moe", "dense", "moe")
+    assert model.ffn_kinds() == ("dense", "moe", "dense", "moe")
+    assert model.layers[0] == LayerKind(attention="gqa", ffn="dense", window=None)
     assert NormConfig().ffn_placement == "pre"
 
 
@@ -132,23 +138,18 @@ def test_negative_loss_weights(name):
 
 def test_top2_gating_needs_top_k_2_and_capacity_dispatch_needs_a_factor():
     with pytest.raises(ValueError, match="top_k=3 is invalid; allowed: 2 with strategy='top2_gating'"):
-        _router(num_experts=4, top_k=3, strategy="top2_gating")
+        check_names(_model(moe=_moe(router=_router(num_experts=4, top_k=3, strategy="top2_gating"))))
     with pytest.raises(ValueError, match="MoEConfig.dispatch='capacity'"):
-        _moe(dispatch="capacity")
+        check_names(_model(moe=_moe(dispatch="capacity")))
     with pytest.raises(ValueError, match="capacity_factor=0.0"):
         _router(capacity_factor=0.0)
 
 
 # Literal-typed fields: (valid instance, owner, field, bad value, every allowed value).
 _CHOICES = [
-    (_moe, "MoEConfig", "dispatch", "megablox", ("dense", "sorted", "ragged_dot", "capacity", "auto")),
-    (NormConfig, "NormConfig", "ffn_placement", "sandwich", ("pre", "post", "hybrid")),
     (NormConfig, "NormConfig", "stats_dtype", "float64", ("float32", "input")),
     (_attention, "AttentionConfig", "qk_norm", "after_norm", ("none", "before_rope", "after_rope")),
     (_attention, "AttentionConfig", "rope_layout", "sideways", ("half_split", "interleaved")),
-    (_attention, "AttentionConfig", "backend", "flash3", ("blockwise", "dense", "cudnn", "auto")),
-    (_router, "RouterConfig", "strategy", "sigmoid", ("softmax_top_k", "top_k_softmax", "top2_gating")),
-    (LossConfig, "LossConfig", "load_balance", "global", ("hf_pooled", "axlearn_top1", "maxtext_sequence")),
     (_model, "ModelConfig", "init", "xavier", ("normal", "fan_in")),
     (_model, "ModelConfig", "tied_logit_scale", "sqrt", ("none", "rsqrt_embed")),
     (_model, "ModelConfig", "dtype", "int8", ("float32", "bfloat16", "float16")),
@@ -179,15 +180,76 @@ def test_unknown_string_is_refused_on_construction(make, owner, field, bad, allo
     assert all(value in message for value in allowed), message
 
 
+# Fields naming a registered part: (config with the bad name, owner, field, bad value, every allowed value).
+_REGISTERED = [
+    (
+        lambda: _model(moe=_moe(dispatch="megablox")),
+        "MoEConfig",
+        "dispatch",
+        "megablox",
+        ("dense", "sorted", "ragged_dot", "capacity", "auto"),
+    ),
+    (
+        lambda: _model(norm=NormConfig(ffn_placement="sandwich")),
+        "NormConfig",
+        "ffn_placement",
+        "sandwich",
+        ("pre", "post", "hybrid"),
+    ),
+    (
+        lambda: _model(attention=_attention(backend="flash3")),
+        "AttentionConfig",
+        "backend",
+        "flash3",
+        ("blockwise", "dense", "cudnn", "auto"),
+    ),
+    (
+        lambda: _model(moe=_moe(router=_router(strategy="sigmoid"))),
+        "RouterConfig",
+        "strategy",
+        "sigmoid",
+        ("softmax_top_k", "top_k_softmax", "top2_gating"),
+    ),
+    (
+        lambda: _model(loss=LossConfig(load_balance="global")),
+        "LossConfig",
+        "load_balance",
+        "global",
+        ("hf_pooled", "axlearn_top1", "maxtext_sequence"),
+    ),
+    (lambda: _model(layers=(LayerKind(attention="latnet"),)), "ModelConfig", "layers[0].attention", "latnet", ("gqa",)),
+    (lambda: _model(layers=("dense", "mixture")), "ModelConfig", "layers[1].ffn", "mixture", ("dense", "moe")),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "owner", "field", "bad", "allowed"), _REGISTERED, ids=[f"{o}.{f}" for _, o, f, _, _ in _REGISTERED]
+)
+def test_registered_names_are_checked_where_parts_are_looked_up(make, owner, field, bad, allowed):
+    """The config is pure data and constructs; the model, overrides and commands refuse the name in one line
+    naming the registered ones."""
+    from eqmoe.config_io import apply_overrides
+    from eqmoe.model import Transformer
+
+    config = make()
+    with pytest.raises(ValueError) as excinfo:
+        check_names(config)
+    _assert_names(str(excinfo.value), owner, field, bad, " | ".join(allowed))
+    with pytest.raises(ValueError, match=re.escape(f"{owner}.{field}={bad!r} is invalid")):
+        Transformer(config, key=__import__("jax").random.key(0))
+    with pytest.raises(ValueError, match=re.escape(f"{owner}.{field}={bad!r} is invalid")):
+        apply_overrides(_model(), {})  # a valid config passes ...
+        apply_overrides(config, {})  # ... and one naming an unregistered part does not
+
+
 def test_unknown_strings_raise_value_error_without_the_type_check_hook():
     """In a plain interpreter (how users run eqmoe) every invalid value is a ValueError from __post_init__."""
     script = textwrap.dedent("""
-        from eqmoe.config import AttentionConfig, MoEConfig, NormConfig, RouterConfig, Segment
+        from eqmoe.config import AttentionConfig, LayerKind, MoEConfig, NormConfig, RouterConfig
         cases = [
-            lambda: MoEConfig(RouterConfig(4, 2), 8, dispatch="megablox"),
-            lambda: NormConfig(ffn_placement="sandwich"),
+            lambda: NormConfig(stats_dtype="float64"),
             lambda: AttentionConfig(4, 2, 8, qk_norm="after_norm"),
-            lambda: Segment(("dense", "attention"), 2),
+            lambda: LayerKind("gqa", "moe", window=0),
         ]
         for case in cases:
             try:
@@ -201,52 +263,61 @@ def test_unknown_strings_raise_value_error_without_the_type_check_hook():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines == [
-        "MoEConfig.dispatch='megablox' is invalid; allowed: dense | sorted | ragged_dot | capacity | auto",
-        "NormConfig.ffn_placement='sandwich' is invalid; allowed: pre | post | hybrid",
+        "NormConfig.stats_dtype='float64' is invalid; allowed: float32 | input",
         "AttentionConfig.qk_norm='after_norm' is invalid; allowed: none | before_rope | after_rope",
-        "Segment.unit='attention' is invalid; allowed: dense | moe",
+        "LayerKind.window=0 is invalid; allowed: None | a positive number of keys",
     ]
 
 
-def test_moe_segment_without_moe_config():
+def test_moe_layer_without_moe_config():
     with pytest.raises(ValueError) as excinfo:
-        _model(moe=None)
+        check_names(_model(moe=None))
     _assert_names(str(excinfo.value), "ModelConfig", "moe", None, "a MoEConfig", "'moe'")
+    assert "layers[1] (moe)" in str(excinfo.value)
 
 
 def test_all_dense_model_needs_no_moe_config():
-    model = _model(moe=None, layers=(Segment(("dense",), 3),))
-    assert model.layer_kinds() == ("dense",) * 3
+    model = _model(moe=None, layers=("dense",) * 3)
+    check_names(model)
+    assert model.ffn_kinds() == ("dense",) * 3
 
 
 @pytest.mark.parametrize("mlp_dim", [None, 0, -8])
-def test_dense_segment_without_mlp_dim(mlp_dim):
+def test_dense_layer_without_mlp_dim(mlp_dim):
     with pytest.raises(ValueError) as excinfo:
-        _model(mlp_dim=mlp_dim)
-    _assert_names(str(excinfo.value), "ModelConfig", "mlp_dim", mlp_dim, "a positive width", "'dense'")
+        check_names(_model(mlp_dim=mlp_dim))
+    _assert_names(str(excinfo.value), "ModelConfig", "mlp_dim", mlp_dim, "a positive width", "dense")
 
 
 def test_all_moe_model_needs_no_mlp_dim():
-    assert _model(mlp_dim=None, layers=(Segment(("moe",), 2),)).num_layers == 2
+    config = _model(mlp_dim=None, layers=("moe",) * 2)
+    check_names(config)
+    assert config.num_layers == 2
 
 
-def test_empty_segment_unit():
-    with pytest.raises(ValueError) as excinfo:
-        Segment((), 3)
-    _assert_names(str(excinfo.value), "Segment", "unit", (), "non-empty", "'dense' | 'moe'")
+@pytest.mark.parametrize("window", [0, -1, 2.5, True])
+def test_layer_window_not_positive(window):
+    with pytest.raises((ValueError, TypeError)) as excinfo:
+        LayerKind(window=window)
+    assert "window" in str(excinfo.value)
 
 
-@pytest.mark.parametrize("repeats", [0, -1])
-def test_segment_repeats_not_positive(repeats):
-    with pytest.raises(ValueError) as excinfo:
-        Segment(("moe",), repeats)
-    _assert_names(str(excinfo.value), "Segment", "repeats", repeats, "a positive number")
+def test_layer_entries_are_layer_kinds_or_ffn_names():
+    from eqmoe.config import layer_kind
+
+    assert _model(layers=(LayerKind(ffn="dense", window=8), "moe")).layers == (
+        LayerKind("gqa", "dense", 8),
+        LayerKind("gqa", "moe", None),
+    )
+    assert layer_kind({"ffn": "dense", "window": 8}) == LayerKind("gqa", "dense", 8)  # a checkpoint's dictionary
+    with pytest.raises(ValueError, match="LayerKind"):
+        layer_kind({"ffn": "dense", "size": 8})
 
 
 def test_model_without_layers():
     with pytest.raises(ValueError) as excinfo:
         _model(layers=())
-    _assert_names(str(excinfo.value), "ModelConfig", "layers", (), "at least one Segment")
+    _assert_names(str(excinfo.value), "ModelConfig", "layers", (), "a non-empty tuple of LayerKind")
 
 
 def test_configs_are_frozen():
@@ -259,43 +330,52 @@ def test_replace_revalidates():
         _model().replace(embed_dim=0)
 
 
-# --- segments_from_kinds ------------------------------------------------------------------------------
+# --- the scanned segments derived from the layers ---------------------------------------------------------
+
+
+def _units(kinds) -> tuple:
+    return tuple((tuple(layer.ffn for layer in segment.unit), segment.repeats) for segment in segments(kinds))
 
 
 @pytest.mark.parametrize(
     ("kinds", "expected"),
     [
-        (["moe"] * 48, (Segment(("moe",), 48),)),
-        (["dense", "moe"] * 6, (Segment(("dense", "moe"), 6),)),
-        (["dense"] + ["moe"] * 5, (Segment(("dense",), 1), Segment(("moe",), 5))),
-        (["moe", "moe", "moe", "dense"], (Segment(("moe",), 3), Segment(("dense",), 1))),
-        (["dense"], (Segment(("dense",), 1),)),
-        (("moe", "dense"), (Segment(("moe",), 1), Segment(("dense",), 1))),
+        (["moe"] * 48, ((("moe",), 48),)),
+        (["dense", "moe"] * 6, ((("dense", "moe"), 6),)),
+        (["dense"] + ["moe"] * 5, ((("dense",), 1), (("moe",), 5))),
+        (["moe", "moe", "moe", "dense"], ((("moe",), 3), (("dense",), 1))),
+        (["dense"], ((("dense",), 1),)),
+        (("moe", "dense"), ((("moe",), 1), (("dense",), 1))),
     ],
     ids=["moe*48", "dense-moe*6", "dense+moe*5", "moe*3+dense", "single", "tuple-input"],
 )
-def test_segments_from_kinds(kinds, expected):
-    assert segments_from_kinds(kinds) == expected
+def test_segments(kinds, expected):
+    assert _units(_model(layers=tuple(kinds)).layers) == expected
 
 
-def test_segments_from_kinds_empty():
+def test_alternating_sliding_and_full_layers_are_one_scan():
+    sliding, full = LayerKind(window=128), LayerKind()
+    (segment,) = segments((sliding, full) * 12)
+    assert segment == Segment((sliding, full), 12)
+
+
+def test_segments_empty():
     with pytest.raises(ValueError, match="at least one layer"):
-        segments_from_kinds([])
+        segments(())
 
 
-def _expand(segments: tuple[Segment, ...]) -> list[str]:
-    return [kind for segment in segments for _ in range(segment.repeats) for kind in segment.unit]
+def _expand(found: tuple[Segment, ...]) -> list:
+    return [kind for segment in found for _ in range(segment.repeats) for kind in segment.unit]
 
 
 @given(st.lists(st.sampled_from(["dense", "moe"]), min_size=1, max_size=30))
-def test_segments_from_kinds_round_trips(kinds):
-    segments = segments_from_kinds(kinds)
-    assert _expand(segments) == kinds
-    assert all(isinstance(segment, Segment) and segment.repeats >= 1 for segment in segments)
-    assert len(segments) <= len(kinds)
-    # ModelConfig numbers layers the same way.
-    model = _model(layers=segments)
-    assert list(model.layer_kinds()) == kinds
+def test_segments_round_trip(kinds):
+    model = _model(layers=tuple(kinds))
+    found = segments(model.layers)
+    assert [layer.ffn for layer in _expand(found)] == kinds
+    assert all(isinstance(segment, Segment) and segment.repeats >= 1 for segment in found)
+    assert len(found) <= len(kinds)
+    assert list(model.ffn_kinds()) == kinds
     assert model.num_layers == len(kinds)
 
 
@@ -341,7 +421,8 @@ def test_unknown_preset_lists_known_names():
 
 def test_known_preset():
     config = presets.get("qwen3-30b-a3b")
-    assert config.layers == (Segment(("moe",), 48),)
+    assert config.layers == (LayerKind("gqa", "moe"),) * 48
+    assert segments(config.layers) == (Segment((LayerKind("gqa", "moe"),), 48),)
     assert config.moe.router.num_experts == 128 and config.moe.router.top_k == 8
 
 

@@ -52,7 +52,7 @@ def test_hf_to_checkpoint_to_hf_is_bit_exact_with_its_side_files(tmp_path, capsy
     _word_tokenizer(tmp_path / "hf" / "tokenizer.json", 50)  # vocabulary 97 padded beyond the tokenizer
     assert _convert(capsys, hf=tmp_path / "hf", out=tmp_path / "ckpt") == (0, "")
     model, metadata = load_model(tmp_path / "ckpt")
-    assert model.embed.dtype == np.dtype(dtype) and metadata["source"] == str(tmp_path / "hf")
+    assert model.embed.dtype == np.dtype(dtype) and metadata.source == str(tmp_path / "hf")
     assert _convert(capsys, checkpoint=tmp_path / "ckpt", to_hf=tmp_path / "back") == (0, "")
 
     original, back = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
@@ -87,7 +87,7 @@ def test_check_logits_and_generate_read_a_converted_checkpoint(tmp_path, capsys)
     model, metadata = load_model(tmp_path / "ckpt")
     experts = model.segments[0].blocks[0].ffn.experts  # perturb expert 3 of layer 1
     perturbed = eqx.tree_at(
-        lambda m: m.segments[0].blocks[0].ffn.experts.w_down, model, experts.w_down.at[1, 3].add(0.5)
+        lambda m: m.segments[0].blocks[0].ffn.experts.down.weight, model, experts.down.weight.at[1, 3].add(0.5)
     )
     save_model(perturbed, tmp_path / "perturbed", extra_files=hf.side_files(tmp_path / "ckpt"))
     prompts = (" ".join(str(i) for i in range(40)),)  # enough distinct tokens to reach every expert
@@ -107,7 +107,7 @@ def test_a_training_checkpoint_exports_its_model_only(tmp_path, capsys):
     with Checkpointer(tmp_path / "run" / "checkpoints") as checkpointer:
         checkpointer.save(5, state, {"config": config_to_dict(model.config), "tokenizer": None})
     loaded, metadata = load_model(tmp_path / "run" / "checkpoints")
-    assert metadata["tokenizer"] is None
+    assert metadata.tokenizer is None and metadata.bytes_tokenizer
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(a, b)
     assert _convert(capsys, checkpoint=tmp_path / "run" / "checkpoints", to_hf=tmp_path / "back")[0] == 0

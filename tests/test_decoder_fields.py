@@ -16,10 +16,10 @@ from eqmoe.config import AttentionConfig, MoEConfig, RouterConfig
 from eqmoe.config_io import apply_overrides
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import Attention
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.rope import apply_rope, rope_tables
 from eqmoe.nn.router import STRATEGIES
+from tests.parts import gqa
 
 INIT = Init("normal", 0.2, np.dtype("float32"))
 
@@ -95,11 +95,11 @@ def test_shared_experts_add_a_dense_swiglu_on_every_backend(backend, gated):
     flat = x.reshape(-1, 24)
     routed = dispatch.resolve(config)(flat, moe.router(flat, jnp.ones(20, bool)), moe.experts, config)
     shared = moe.shared_expert
-    assert shared.w_gate.shape == (24, 24)  # two shared experts of width 12 are one SwiGLU of width 24
+    assert shared.gate.weight.shape == (24, 24)  # two shared experts of width 12 are one SwiGLU of width 24
     flat = np.asarray(flat)
-    want = _swiglu(flat, *(np.asarray(w) for w in (shared.w_gate, shared.w_up, shared.w_down)))
+    want = _swiglu(flat, *(np.asarray(w) for w in (shared.gate.weight, shared.up.weight, shared.down.weight)))
     if gated:
-        want = _sigmoid(flat @ np.asarray(moe.shared_gate)) * want
+        want = _sigmoid(flat @ np.asarray(moe.shared_gate.weight)) * want
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 24) - np.asarray(routed), want, atol=2e-5)
 
 
@@ -147,39 +147,32 @@ def test_biases_whole_projection_norm_and_clip_follow_olmoe_order():
     config = AttentionConfig(
         num_heads=4, num_kv_heads=2, head_dim=8, bias="qkvo", qk_norm_scope="projection", clip_qkv=0.6
     )
-    attention = Attention(
-        32,
-        config,
-        eps=1e-5,
-        stats_dtype="float32",
-        init=Init("normal", 0.3, np.dtype("float32")),
-        key=jax.random.key(5),
-    )
+    attention = gqa(32, config, eps=1e-5, init=Init("normal", 0.3, np.dtype("float32")), key=jax.random.key(5))
     rng = np.random.default_rng(2)
-    names = ("bq", "bk", "bv", "bo")
+    names = ("q", "k", "v", "o")
     attention = eqx.tree_at(
-        lambda a: [getattr(a, n) for n in names] + [a.q_norm.weight],
+        lambda a: [getattr(a, n).bias for n in names] + [a.q_norm.weight],
         attention,
-        [jnp.asarray(rng.normal(size=getattr(attention, n).shape), jnp.float32) for n in names]
+        [jnp.asarray(rng.normal(size=getattr(attention, n).bias.shape), jnp.float32) for n in names]
         + [jnp.asarray(1 + 0.2 * rng.normal(size=32), jnp.float32)],
     )
     assert attention.q_norm.weight.shape == (32,) and attention.k_norm.weight.shape == (16,)
     x = rng.normal(size=(1, 6, 32)).astype(np.float32)
     cos, sin = rope_tables(jnp.arange(6)[None], 8, config.rope_theta, jnp.float32)
-    q, k, v = attention._project(jnp.asarray(x), cos, sin)
+    q, k, v = attention._project(jnp.asarray(x), jnp.arange(6)[None], None)
     flat = x.reshape(6, 32)
-    w = {name: np.asarray(getattr(attention, name)).reshape(32, -1) for name in ("wq", "wk", "wv")}
-    b = {name: np.asarray(getattr(attention, name)).reshape(-1) for name in ("bq", "bk", "bv")}
-    want_q = np.clip(_rms(flat @ w["wq"] + b["bq"], np.asarray(attention.q_norm.weight), 1e-5), -0.6, 0.6)
-    want_k = np.clip(_rms(flat @ w["wk"] + b["bk"], np.asarray(attention.k_norm.weight), 1e-5), -0.6, 0.6)
-    want_v = np.clip(flat @ w["wv"] + b["bv"], -0.6, 0.6)
+    w = {name: np.asarray(getattr(attention, name).weight).reshape(32, -1) for name in ("q", "k", "v")}
+    b = {name: np.asarray(getattr(attention, name).bias).reshape(-1) for name in ("q", "k", "v")}
+    want_q = np.clip(_rms(flat @ w["q"] + b["q"], np.asarray(attention.q_norm.weight), 1e-5), -0.6, 0.6)
+    want_k = np.clip(_rms(flat @ w["k"] + b["k"], np.asarray(attention.k_norm.weight), 1e-5), -0.6, 0.6)
+    want_v = np.clip(flat @ w["v"] + b["v"], -0.6, 0.6)
     c, s = np.asarray(cos)[0][:, None], np.asarray(sin)[0][:, None]
     want_q, want_k = _rotate(want_q.reshape(6, 4, 8), c, s), _rotate(want_k.reshape(6, 2, 8), c, s)
     # ours are head-major: q [batch, kv_heads, group, seq, head_dim], k and v [batch, kv_heads, seq, head_dim]
     np.testing.assert_allclose(np.asarray(q)[0].transpose(2, 0, 1, 3).reshape(6, 4, 8), want_q, atol=1e-5)
     np.testing.assert_allclose(np.asarray(k)[0].transpose(1, 0, 2), want_k, atol=1e-5)
     np.testing.assert_allclose(np.asarray(v)[0].transpose(1, 0, 2).reshape(6, 16), want_v, atol=1e-5)
-    assert np.abs(flat @ w["wv"] + b["bv"]).max() > 0.6  # the clamp acted
+    assert np.abs(flat @ w["v"] + b["v"]).max() > 0.6  # the clamp acted
 
 
 @pytest.mark.parametrize(

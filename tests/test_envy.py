@@ -15,9 +15,10 @@ from eqmoe.config import AttentionConfig, RouterConfig
 from eqmoe.losses import next_token_cross_entropy, objective
 from eqmoe.nn import Layer, Role, param
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import Attention, attention_mask
-from eqmoe.nn.rope import rope_tables
+from eqmoe.nn.context import attention_mask
+from eqmoe.nn.gqa import GroupedQueryAttention as Attention
 from eqmoe.train.optimizer import OptimizerConfig, envy_optimizer, make_optimizer, model_params
+from tests.parts import context, gqa
 
 
 @pytest.mark.parametrize(
@@ -56,14 +57,7 @@ TO_INTERLEAVED = np.stack([np.arange(HEAD_DIM // 2), np.arange(HEAD_DIM // 2) + 
 
 def _with_config(attention: Attention, config: AttentionConfig) -> Attention:
     """The same weights under another config (QK-norm present in both)."""
-    fresh = Attention(
-        16,
-        config,
-        eps=1e-6,
-        stats_dtype="float32",
-        init=Init("normal", 0.3, jnp.dtype("float32")),
-        key=jax.random.key(0),
-    )
+    fresh = gqa(16, config, init=Init("normal", 0.3, jnp.dtype("float32")), key=jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(fresh), jax.tree.leaves(attention))
 
 
@@ -71,9 +65,7 @@ def _attention(qk_norm: str, layout: str, key) -> Attention:
     config = AttentionConfig(
         num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, rope_theta=100.0, rope_layout=layout, qk_norm=qk_norm
     )
-    attention = Attention(
-        16, config, eps=1e-6, stats_dtype="float32", init=Init("normal", 0.3, jnp.dtype("float32")), key=key
-    )
+    attention = gqa(16, config, init=Init("normal", 0.3, jnp.dtype("float32")), key=key)
     if qk_norm == "none":
         return attention
     k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
@@ -82,18 +74,17 @@ def _attention(qk_norm: str, layout: str, key) -> Attention:
 
 
 def _run(attention: Attention, x):
-    config = attention.config
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    cos, sin = rope_tables(positions, HEAD_DIM, config.rope_theta, jnp.float32, config.rope_layout)
     mask = attention_mask(jnp.zeros(x.shape[:2], jnp.int32), jnp.ones(x.shape[:2], bool))
-    return attention(x, cos, sin, mask)
+    return attention(x, context(mask))[0]
 
 
 def _to_interleaved(attention: Attention, qk_norm: str) -> Attention:
     """The same attention in the interleaved layout: q/k weights and QK-norm scales permuted on head_dim."""
     config = dataclasses.replace(attention.config, rope_layout="interleaved", qk_norm=qk_norm)
     permuted = eqx.tree_at(
-        lambda a: (a.wq, a.wk), attention, (attention.wq[..., TO_INTERLEAVED], attention.wk[..., TO_INTERLEAVED])
+        lambda a: (a.q.weight, a.k.weight),
+        attention,
+        (attention.q.weight[..., TO_INTERLEAVED], attention.k.weight[..., TO_INTERLEAVED]),
     )
     if attention.q_norm is not None:
         permuted = eqx.tree_at(
@@ -132,7 +123,7 @@ def _router_gradient(config):
         return next_token_cross_entropy(model(tokens).logits, tokens, jnp.ones(tokens.shape, bool))
 
     grads = eqx.filter_jit(eqx.filter_grad(cross_entropy))(model)
-    return grads.segments[0].blocks[1].ffn.router.weight
+    return grads.segments[0].blocks[1].ffn.router.gate.weight
 
 
 def test_maxtext_top1_router_gets_no_gradient_from_the_lm_loss_but_switch_does():
@@ -182,14 +173,10 @@ def test_objective_trains_the_configured_terms(name):
 
 def _layer_input(model: Transformer, tokens):
     """The input of the first MoE block (after the first dense block and the MoE block's attention)."""
-    config = model.config
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    attn = config.attention
-    cos, sin = rope_tables(positions, attn.head_dim, attn.rope_theta, jnp.float32, attn.rope_layout)
-    mask = attention_mask(jnp.zeros(tokens.shape, jnp.int32), jnp.ones(tokens.shape, bool))
+    ctx = context(attention_mask(jnp.zeros(tokens.shape, jnp.int32), jnp.ones(tokens.shape, bool)))
     blocks = jax.tree.map(lambda leaf: leaf[0], model.segments[0].blocks)
-    x, _ = blocks[0](model.embed[tokens], cos, sin, mask, jnp.ones(tokens.shape, bool))
-    return x + blocks[1].attention(blocks[1].attn_norm(x), cos, sin, mask)
+    x, _, _ = blocks[0](model.embed[tokens], ctx)
+    return x + blocks[1].attention(blocks[1].attn_norm(x), ctx)[0]
 
 
 # --- optimizer preset -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import config_from_dict, config_to_dict
 from eqmoe.data import load_conversations, load_tokenizer
+from eqmoe.registries import check_names
 
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} | {
     "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rope_layout", "qk_norm", "eps", "ffn_placement",
@@ -60,6 +61,7 @@ def configs(draw):
 def test_random_configs_name_the_field_or_run_finite(values):
     try:
         config = config_from_dict(values)
+        check_names(config)  # the registered names, checked where parts are looked up
     except ValueError as error:
         message = str(error)
         assert any(name in message for name in FIELDS), message

@@ -16,7 +16,6 @@ from safetensors.numpy import load_file, save_file
 
 from eqmoe import Transformer
 from eqmoe.checkpoints import hf
-from eqmoe.config import segments_from_kinds
 from eqmoe.models import glm4_moe
 from eqmoe.nn.moe import MoE
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
@@ -99,7 +98,7 @@ def test_config_reads_as_glm(saved):
     assert attention.rotary_dim == int(head_dim * reference.rope_parameters["partial_rotary_factor"])
     assert attention.bias == ("qkv" if reference.attention_bias else "none")
     assert attention.qk_norm == ("before_rope" if reference.use_qk_norm else "none")
-    assert config.layer_kinds() == tuple(
+    assert config.ffn_kinds() == tuple(
         "dense" if i < reference.first_k_dense_replace else "moe" for i in range(reference.num_hidden_layers)
     )
     assert router.strategy == "sigmoid_top_k" and router.renormalize == reference.norm_topk_prob
@@ -401,7 +400,6 @@ def test_every_field_transformers_writes_loads(tmp_path):
         ("n_shared_experts", 0),
         ("routed_scaling_factor", "2.5"),
         ("use_qk_norm", "yes"),
-        ("foo", 1),
     ],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
@@ -413,7 +411,7 @@ def test_save_refuses_what_glm_cannot_express(tmp_path):
     config = hf.read_config(tmp_path / "hf")
     moe, attention = config.moe, config.attention
     refused = {
-        "layers": config.replace(layers=segments_from_kinds(["moe", "dense", "moe"])),
+        "layers": config.replace(layers=tuple(["moe", "dense", "moe"])),
         "attention.bias": config.replace(attention=dataclasses.replace(attention, bias="qkvo")),
         "moe.router.bias_update_rate": config.replace(
             moe=dataclasses.replace(moe, router=dataclasses.replace(moe.router, bias_update_rate=0.0))
@@ -430,3 +428,9 @@ def test_save_refuses_what_glm_cannot_express(tmp_path):
     with pytest.raises(ValueError, match="layers"):
         hf.save(abstract, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("key", "value"), [("foo", 1)])
+def test_a_key_transformers_ignores_is_accepted_and_listed(tmp_path, capsys, key, value):
+    """Not a field of transformers' config for this model type: transformers ignores it; eqmoe too, saying so."""
+    shared.assert_ignored(tmp_path, {**GLM.full_config(), key: value}, key, capsys)

@@ -1,5 +1,6 @@
-"""The Qwen3-MoE ``config.json`` allow-list: every field transformers writes loads; any other field, and a known
-field at a value eqmoe does not compute, fails ``hf.read_config`` with one line naming the field and the file."""
+"""The Qwen3-MoE ``config.json`` as transformers reads it: every field transformers writes loads; a field it reads
+at a value eqmoe does not compute fails ``hf.read_config`` with one line naming the field and the file; a field it
+does not read is accepted and listed on one "ignored" line."""
 
 import json
 from pathlib import Path
@@ -55,9 +56,13 @@ def test_older_field_names_load(tmp_path):
     assert hf.read_config(_write(tmp_path / "old", config)) == hf.read_config(_write(tmp_path / "new", _full_config()))
 
 
-def test_unknown_field_is_refused(tmp_path):
-    message = _refusal(tmp_path, {**_full_config(), "foo": 1})
-    assert "'foo'" in message
+def test_a_field_transformers_ignores_is_accepted_and_listed(tmp_path, capsys):
+    folder = _write(tmp_path / "model", {**_full_config(), "foo": 1, "qkv_bias": False})
+    assert hf.read_config(folder) == hf.read_config(_write(tmp_path / "plain", _full_config()))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
+    assert (
+        lines[0] == f"{folder / 'config.json'}: ignored (transformers does not read them for qwen3_moe): foo, qkv_bias"
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,8 +91,6 @@ def test_rope_type_eqmoe_does_not_compute_is_refused(tmp_path, rope_type):
 @pytest.mark.parametrize(
     ("rope", "named"),
     [
-        ({"rope_type": "linear", "factor": 2.0, "beta_fast": 8.0}, "rope_parameters.beta_fast"),
-        ({"rope_type": "default", "factor": 2.0}, "rope_parameters.factor"),
         ({"rope_type": "linear"}, "'factor'"),
         ({"rope_type": "linear", "factor": "2"}, "rope_parameters.factor"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "'high_freq_factor'"),
@@ -108,3 +111,19 @@ def test_bad_rope_scaling_names_the_legacy_field(tmp_path):
     config = {k: v for k, v in _full_config().items() if k != "rope_parameters"}
     message = _refusal(tmp_path, {**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     assert "rope_scaling" in message and "rope_type 'dynamic'" in message
+
+
+@pytest.mark.parametrize(
+    ("rope", "ignored"),
+    [
+        ({"rope_type": "linear", "factor": 2.0, "beta_fast": 8.0}, "rope_parameters.beta_fast"),
+        ({"rope_type": "default", "factor": 2.0}, "rope_parameters.factor"),
+    ],
+)
+def test_a_rope_key_its_type_does_not_read_is_ignored_and_listed(tmp_path, capsys, rope, ignored):
+    """transformers' RoPE initialisation reads only its type's keys and ignores (warns about) the rest."""
+    config = hf.read_config(
+        _write(tmp_path / "model", {**_full_config(), "rope_parameters": {**rope, "rope_theta": 1e4}})
+    )
+    assert config.attention.rope_theta == 1e4
+    assert ignored in capsys.readouterr().err

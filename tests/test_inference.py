@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from eqmoe import presets
-from eqmoe.config import segments_from_kinds
+from eqmoe.config import segments
 from eqmoe.inference import dropless, generate, init_cache, sample
 from eqmoe.model import Transformer
 
 QWEN = presets.get("qwen3-moe-tiny").replace(
-    vocab_size=64, embed_dim=32, mlp_dim=48, layers=segments_from_kinds(["dense", "moe", "moe"])
+    vocab_size=64, embed_dim=32, mlp_dim=48, layers=tuple(["dense", "moe", "moe"])
 )
 ENVY = presets.get("envy-test")  # interleaved RoPE, QK-norm after RoPE, (dense, moe) unit, capacity 2.0 in 2 groups
 # Capacity factor = number of experts: a group's capacity is its size, so nothing is ever dropped, the
@@ -105,7 +105,7 @@ def test_prefill_equals_the_uncached_forward_with_capacity_drops_and_an_unrolled
     cached = eqx.filter_jit(lambda m, t, c: m(t, cache=c))(unrolled, prompt, init_cache(unrolled, 2, 11))
     np.testing.assert_allclose(cached.logits, full.logits, atol=1e-5, rtol=0)
     np.testing.assert_allclose(cached.aux.dropped, full.aux.dropped)
-    repeats = ENVY.layers[0].repeats
+    repeats = segments(ENVY.layers)[0].repeats
     for leaf in jax.tree.leaves(cached.cache.layers):  # one (keys, values) per block of the (dense, moe) unit
         assert leaf.shape == (repeats, 2, ENVY.attention.num_kv_heads, 11, ENVY.attention.head_dim)
     assert len(cached.cache.layers) == 1 and len(cached.cache.layers[0]) == 2

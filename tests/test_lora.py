@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from eqmoe import presets
-from eqmoe.config import segments_from_kinds
 from eqmoe.lora import LoRAConfig, add_lora, has_lora, lora_targets, merge_lora
 from eqmoe.model import Transformer
-from eqmoe.nn._params import Role, param_info
+from eqmoe.nn.mlp import SwiGLU
+from eqmoe.params import ParamInfo, Role, param_info
 
 BASE = presets.get("qwen3-moe-tiny")
 TINY = BASE.replace(
     vocab_size=64,
     embed_dim=32,
     attention=dataclasses.replace(BASE.attention, head_dim=8),
-    layers=segments_from_kinds(["dense", "moe", "moe"]),
+    layers=tuple(["dense", "moe", "moe"]),
     mlp_dim=48,
     moe=dataclasses.replace(BASE.moe, expert_dim=16, dispatch="dense"),
 )
@@ -49,33 +49,31 @@ def _randomised_b(adapted):
 
 def _numpy_merged(model, adapted):
     """The base model with each adapted weight replaced by W + s A @ B computed in NumPy."""
-    pairs = {  # weight path in the model -> (A path, B path) in the adapted model
-        "attention": {"wq": "q", "wk": "k", "wv": "v", "wo": "o"},
-        "mlp": {"w_gate": "gate", "w_up": "up", "w_down": "down"},
-    }
+    pairs = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}  # each matrix, its adapter beside it
     merged = model
     for s, (unit, adapted_unit) in enumerate(zip(model.segments, adapted.segments, strict=True)):
         for j, (block, adapted_block) in enumerate(zip(unit.blocks, adapted_unit.blocks, strict=True)):
             targets = [("attention", block.attention, adapted_block.attention)]
-            if hasattr(block.ffn, "w_gate"):
+            if isinstance(block.ffn, SwiGLU):
                 targets.append(("mlp", block.ffn, adapted_block.ffn))
             for group, layer, adapted_layer in targets:
-                for weight_name, member in pairs[group].items():
-                    w = np.asarray(getattr(layer, weight_name), np.float64)
-                    a = np.asarray(getattr(adapted_layer.lora, f"{member}_a"), np.float64)
-                    b = np.asarray(getattr(adapted_layer.lora, f"{member}_b"), np.float64)
+                for member in pairs[group]:
+                    w = np.asarray(getattr(layer, member).weight, np.float64)
+                    a = np.asarray(getattr(adapted_layer, member).adapter.a, np.float64)
+                    b = np.asarray(getattr(adapted_layer, member).adapter.b, np.float64)
                     layers = w.shape[0]
                     delta = np.stack([a[i].reshape(-1, 4) @ b[i].reshape(4, -1) for i in range(layers)])
                     new = (w + SCALE * delta.reshape(w.shape)).astype(np.float32)
                     merged = eqx.tree_at(
-                        lambda m, s=s, j=j, g=group, n=weight_name: getattr(_layer(m, s, j, g), n), merged, new
+                        lambda m, s=s, j=j, g=group, n=member: getattr(_layer(m, s, j, g), n).weight, merged, new
                     )
             if hasattr(block.ffn, "router"):
                 router, adapted_router = block.ffn.router, adapted_block.ffn.router
-                w = np.asarray(router.weight, np.float64)
-                a, b = np.asarray(adapted_router.lora.a, np.float64), np.asarray(adapted_router.lora.b, np.float64)
+                w = np.asarray(router.gate.weight, np.float64)
+                adapter = adapted_router.gate.adapter
+                a, b = np.asarray(adapter.a, np.float64), np.asarray(adapter.b, np.float64)
                 new = (w + SCALE * np.einsum("lir,lro->lio", a, b)).astype(np.float32)
-                merged = eqx.tree_at(lambda m, s=s, j=j: m.segments[s].blocks[j].ffn.router.weight, merged, new)
+                merged = eqx.tree_at(lambda m, s=s, j=j: m.segments[s].blocks[j].ffn.router.gate.weight, merged, new)
     return merged
 
 
@@ -114,7 +112,7 @@ def test_a_fresh_adapter_changes_nothing_and_targets_are_checked():
     ]:
         with pytest.raises(ValueError, match=message):
             LoRAConfig(**bad)
-    all_moe = Transformer(TINY.replace(layers=segments_from_kinds(["moe"])), key=jax.random.key(0))
+    all_moe = Transformer(TINY.replace(layers=tuple(["moe"])), key=jax.random.key(0))
     with pytest.raises(ValueError, match="no mlp layer"):
         add_lora(all_moe, LoRAConfig(targets=("mlp",)), key=jax.random.key(0))
 
@@ -140,29 +138,29 @@ def test_adapter_gradients_equal_the_merged_weight_gradient_rederived():
     checked = 0
     for s, unit in enumerate(adapted.segments):
         for j, block in enumerate(unit.blocks):
-            layers = [("attention", {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})]
-            if hasattr(block.ffn, "w_gate"):
-                layers.append(("mlp", {"w_gate": "gate", "w_up": "up", "w_down": "down"}))
+            layers = [("attention", ("q", "k", "v", "o"))]
+            if isinstance(block.ffn, SwiGLU):
+                layers.append(("mlp", ("gate", "up", "down")))
             for group, members in layers:
-                lora_grads = _layer(grads, s, j, group).lora
-                adapters = _layer(adapted, s, j, group).lora
-                for weight_name, member in members.items():
-                    d_w = np.asarray(getattr(_layer(merged_grads, s, j, group), weight_name), np.float64)
-                    a = np.asarray(getattr(adapters, f"{member}_a"), np.float64)
-                    b = np.asarray(getattr(adapters, f"{member}_b"), np.float64)
+                for member in members:
+                    lora_grads = getattr(_layer(grads, s, j, group), member).adapter
+                    adapters = getattr(_layer(adapted, s, j, group), member).adapter
+                    d_w = np.asarray(getattr(_layer(merged_grads, s, j, group), member).weight, np.float64)
+                    a = np.asarray(adapters.a, np.float64)
+                    b = np.asarray(adapters.b, np.float64)
                     for i in range(d_w.shape[0]):
                         a_i, b_i = a[i].reshape(-1, 4), b[i].reshape(4, -1)
                         d_w_i = d_w[i].reshape(a_i.shape[0], b_i.shape[1])
-                        d_a = np.asarray(getattr(lora_grads, f"{member}_a"))[i].reshape(a_i.shape)
-                        d_b = np.asarray(getattr(lora_grads, f"{member}_b"))[i].reshape(b_i.shape)
+                        d_a = np.asarray(lora_grads.a)[i].reshape(a_i.shape)
+                        d_b = np.asarray(lora_grads.b)[i].reshape(b_i.shape)
                         # float32 rounding of each entry scales with the tensor's largest terms, not its own size
                         want_a, want_b = SCALE * d_w_i @ b_i.T, SCALE * a_i.T @ d_w_i
                         np.testing.assert_allclose(d_a, want_a, rtol=1e-4, atol=1e-5 * np.abs(want_a).max())
                         np.testing.assert_allclose(d_b, want_b, rtol=1e-4, atol=1e-5 * np.abs(want_b).max())
                         checked += 1
             if hasattr(block.ffn, "router"):
-                d_w = np.asarray(merged_grads.segments[s].blocks[j].ffn.router.weight, np.float64)
-                adapter, d_adapter = block.ffn.router.lora, grads.segments[s].blocks[j].ffn.router.lora
+                d_w = np.asarray(merged_grads.segments[s].blocks[j].ffn.router.gate.weight, np.float64)
+                adapter, d_adapter = block.ffn.router.gate.adapter, grads.segments[s].blocks[j].ffn.router.gate.adapter
                 a, b = np.asarray(adapter.a, np.float64), np.asarray(adapter.b, np.float64)
                 np.testing.assert_allclose(d_adapter.a, SCALE * np.einsum("lio,lro->lir", d_w, b), rtol=1e-4, atol=1e-7)
                 np.testing.assert_allclose(d_adapter.b, SCALE * np.einsum("lir,lio->lro", a, d_w), rtol=1e-4, atol=1e-7)
@@ -200,7 +198,7 @@ def _optimizer_floats(state) -> int:
 
 
 def _by_role(model) -> dict:
-    infos = jax.tree.leaves(param_info(eqx.filter(model, eqx.is_array)), is_leaf=lambda x: hasattr(x, "role"))
+    infos = jax.tree.leaves(param_info(eqx.filter(model, eqx.is_array)), is_leaf=lambda x: isinstance(x, ParamInfo))
     leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
     return list(zip(infos, leaves, strict=True))
 
@@ -261,7 +259,7 @@ def test_a_frozen_base_held_in_bfloat16_trains_the_same_numbers():
 def _sizes(model) -> tuple[int, int]:
     """(adapter numbers, base numbers) of ``model``."""
     arrays = eqx.filter(model, lambda x: isinstance(x, jax.Array | jax.ShapeDtypeStruct))
-    infos = jax.tree.leaves(param_info(arrays), is_leaf=lambda x: hasattr(x, "role"))
+    infos = jax.tree.leaves(param_info(arrays), is_leaf=lambda x: isinstance(x, ParamInfo))
     sizes = [(info.role is Role.ADAPTER, leaf.size) for info, leaf in zip(infos, jax.tree.leaves(arrays), strict=True)]
     return sum(n for is_adapter, n in sizes if is_adapter), sum(n for is_adapter, n in sizes if not is_adapter)
 
@@ -302,30 +300,29 @@ def test_rank_8_adapters_are_under_five_percent_of_the_model(tmp_path):
 
 
 def test_lora_dropout_drops_adapter_inputs_only_while_training():
-    from eqmoe.nn.lora import AttentionAdapters, adapted
+    from eqmoe.nn.linear import Linear, LowRank
+    from eqmoe.params import Role
 
     rate, tokens, width = 0.25, 4000, 4
-    adapters = AttentionAdapters(
-        q_a=jnp.eye(width),
-        q_b=jnp.eye(width).reshape(width, 1, width),
-        k_a=None,
-        k_b=None,
-        v_a=None,
-        v_b=None,
-        o_a=None,
-        o_b=None,
+    adapter = LowRank(
+        a=jnp.eye(width),
+        b=jnp.eye(width),
         scale=1.0,
         dropout=rate,
+        lead_axes=(),
+        in_axes=("embed",),
+        out_axes=("embed",),
     )
+    linear = Linear.holding(jnp.zeros((width, width)), None, adapter, role=Role.ATTENTION)
+    adapted = lambda x, key=None: linear(x, key)  # noqa: E731
     x = jax.random.normal(jax.random.key(0), (tokens, width)) + 3.0
-    weight = jnp.zeros((width, width))
-    np.testing.assert_array_equal(adapted(x, weight, adapters, "q"), x)  # no key: no dropout (evaluation)
-    dropped = np.asarray(adapted(x, weight, adapters, "q", jax.random.key(1)))
+    np.testing.assert_array_equal(adapted(x), x)  # no key: no dropout (evaluation)
+    dropped = np.asarray(adapted(x, jax.random.key(1)))
     # With A = B = I and W = 0 the output is dropout(x): each entry 0 or x / (1 - p), about p of them 0.
     zero = dropped == 0
     np.testing.assert_allclose(dropped[~zero], np.asarray(x)[~zero] / (1 - rate), rtol=1e-6)
     assert abs(zero.mean() - rate) < 0.02
-    other = np.asarray(adapted(x, weight, adapters, "q", jax.random.key(2)))
+    other = np.asarray(adapted(x, jax.random.key(2)))
     assert np.mean((other == 0) != zero) > 0.2  # another key, another mask
     with pytest.raises(ValueError, match="dropout"):
         LoRAConfig(dropout=1.0)
@@ -334,4 +331,4 @@ def test_lora_dropout_drops_adapter_inputs_only_while_training():
         LoRAConfig(4, 8.0, ("attention", "experts"), 0.1),
         key=jax.random.key(1),
     )
-    assert _layer(model, 0, 0, "attention").lora.dropout == 0.1
+    assert _layer(model, 0, 0, "attention").q.adapter.dropout == 0.1

@@ -23,12 +23,12 @@ from eqmoe import parallel
 from eqmoe.config import MoEConfig, RouterConfig
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
-from eqmoe.nn.lora import ExpertAdapters, merged_weight
+from eqmoe.nn.linear import LowRank
 from eqmoe.nn.moe import MoE
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED, WIDTH, RANK, SCALE = 8, 6, 3, 0.75
-MATRICES = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
+MATRICES = ("gate", "up", "down")
 # Adapted subsets: all three, and partial ones so a missing pair of each side (gate|up, down) is covered.
 SUBSETS = [("gate", "up", "down"), ("up",), ("gate", "down")]
 
@@ -40,33 +40,39 @@ def _moe(backend: str, num_experts: int = 6, top_k: int = 2, seed: int = 0) -> M
     return MoE(EMBED, config, init=Init("normal", 0.5, jnp.dtype("float32")), key=jax.random.key(seed))
 
 
-def _adapters(num_experts: int, matrices=tuple(MATRICES), seed: int = 1) -> ExpertAdapters:
+def _adapters(num_experts: int, matrices=MATRICES, seed: int = 1) -> dict[str, LowRank | None]:
     """Random adapters on ``matrices``: both factors nonzero, so every term of the adapter is exercised."""
     shapes = {
-        "gate": ((num_experts, EMBED, RANK), (num_experts, RANK, WIDTH)),
-        "up": ((num_experts, EMBED, RANK), (num_experts, RANK, WIDTH)),
-        "down": ((num_experts, WIDTH, RANK), (num_experts, RANK, EMBED)),
+        "gate": ((num_experts, EMBED, RANK), (num_experts, RANK, WIDTH), "embed", "expert_mlp"),
+        "up": ((num_experts, EMBED, RANK), (num_experts, RANK, WIDTH), "embed", "expert_mlp"),
+        "down": ((num_experts, WIDTH, RANK), (num_experts, RANK, EMBED), "expert_mlp", "embed"),
     }
     keys = iter(jax.random.split(jax.random.key(seed), 6))
-    factors = {}
-    for name, (a_shape, b_shape) in shapes.items():
-        factors[f"{name}_a"] = 0.5 * jax.random.normal(next(keys), a_shape) if name in matrices else None
-        factors[f"{name}_b"] = 0.5 * jax.random.normal(next(keys), b_shape) if name in matrices else None
-    return ExpertAdapters(**factors, scale=SCALE)
+    adapters = {}
+    for name, (a_shape, b_shape, fan_in, fan_out) in shapes.items():
+        a, b = 0.5 * jax.random.normal(next(keys), a_shape), 0.5 * jax.random.normal(next(keys), b_shape)
+        adapter = LowRank(a, b, SCALE, 0.0, ("experts",), (fan_in,), (fan_out,))
+        adapters[name] = adapter if name in matrices else None
+    return adapters
 
 
-def _with_lora(moe: MoE, lora: ExpertAdapters | None) -> MoE:
-    return eqx.tree_at(lambda m: m.experts.lora, moe, lora, is_leaf=lambda x: x is None)
+def _with_lora(moe: MoE, adapters: dict[str, LowRank | None] | None) -> MoE:
+    adapters = adapters or dict.fromkeys(MATRICES)
+    where = lambda m: [getattr(m.experts, name).adapter for name in MATRICES]  # noqa: E731
+    return eqx.tree_at(where, moe, [adapters[name] for name in MATRICES], is_leaf=lambda x: x is None)
 
 
 def _merged(moe: MoE) -> MoE:
-    """``moe`` with every adapter folded into its weight and no adapters left."""
-    experts, lora = moe.experts, moe.experts.lora
-    weights = [
-        merged_weight(getattr(experts, field), getattr(lora, f"{name}_a"), getattr(lora, f"{name}_b"), lora.scale)
-        for name, field in MATRICES.items()
-    ]
-    merged = eqx.tree_at(lambda m: (m.experts.w_gate, m.experts.w_up, m.experts.w_down), moe, tuple(weights))
+    """``moe`` with every adapter folded into its weight, ``W_e + scale * A_e @ B_e`` written out here, and no
+    adapters left."""
+    weights = []
+    for name in MATRICES:
+        linear = getattr(moe.experts, name)
+        delta = 0 if linear.adapter is None else SCALE * jnp.einsum("eir,ero->eio", linear.adapter.a, linear.adapter.b)
+        weights.append(linear.weight + delta)
+    merged = eqx.tree_at(
+        lambda m: (m.experts.gate.weight, m.experts.up.weight, m.experts.down.weight), moe, tuple(weights)
+    )
     return _with_lora(merged, None)
 
 
@@ -103,19 +109,18 @@ def _check_against_merged(adapted: MoE, x, tolerance: float):
     assert float(jnp.abs(y_merged - y_base).max()) > 0.1, "the adapters must change the output"
     _close(y, y_merged, 1e-5, "output")
     _close(d_x, d_x_merged, tolerance, "d x")
-    lora, d_lora = adapted.experts.lora, d_moe.experts.lora
-    for name, field in MATRICES.items():
-        d_weight = getattr(d_merged.experts, field)
+    for name in MATRICES:
+        adapter, d_adapter = getattr(adapted.experts, name).adapter, getattr(d_moe.experts, name).adapter
+        d_weight = getattr(d_merged.experts, name).weight
         # The base weight enters as W + s A B too, so its gradient is the merged weight's.
-        _close(getattr(d_moe.experts, field), d_weight, tolerance, f"d {field}")
-        a, b = getattr(lora, f"{name}_a"), getattr(lora, f"{name}_b")
-        if a is None:
-            assert getattr(d_lora, f"{name}_a") is None and getattr(d_lora, f"{name}_b") is None
+        _close(getattr(d_moe.experts, name).weight, d_weight, tolerance, f"d {name}")
+        if adapter is None:
+            assert d_adapter is None
             continue
-        want_a, want_b = _projected(d_weight, a, b, lora.scale)
-        _close(getattr(d_lora, f"{name}_a"), want_a, tolerance, f"d {name}_a")
-        _close(getattr(d_lora, f"{name}_b"), want_b, tolerance, f"d {name}_b")
-    _close(d_moe.router.weight, d_merged.router.weight, tolerance, "d router")
+        want_a, want_b = _projected(d_weight, adapter.a, adapter.b, adapter.scale)
+        _close(d_adapter.a, want_a, tolerance, f"d {name}_a")
+        _close(d_adapter.b, want_b, tolerance, f"d {name}_b")
+    _close(d_moe.router.gate.weight, d_merged.router.gate.weight, tolerance, "d router")
 
 
 # XLA:CPU's emulated ragged_dot transposes with a few 1e-6 of relative error (tests/test_stack_and_dispatch.py).
@@ -145,7 +150,7 @@ def test_adapters_with_crowded_and_empty_experts(backend):
     """All tokens on two of eight experts: groups span several (wide) tiles, six experts get no rows."""
     moe = _moe(backend, num_experts=8, top_k=2)
     bias = jnp.zeros((EMBED, 8)).at[:, 3].set(50.0).at[:, 6].set(49.0)
-    moe = eqx.tree_at(lambda m: m.router.weight, moe, moe.router.weight + bias)
+    moe = eqx.tree_at(lambda m: m.router.gate.weight, moe, moe.router.gate.weight + bias)
     x = jnp.abs(jax.random.normal(jax.random.key(6), (1, 40, EMBED)))  # positive rows: biased logits win
     experts = moe.router(x.reshape(-1, EMBED), jnp.ones(40, bool)).experts
     assert set(np.unique(np.asarray(experts))) == {3, 6}
@@ -154,7 +159,7 @@ def test_adapters_with_crowded_and_empty_experts(backend):
 
 def test_unadapted_experts_hold_no_adapter_leaves():
     moe = _moe("sorted")
-    assert moe.experts.lora is None
+    assert all(getattr(moe.experts, name).adapter is None for name in MATRICES)
     assert len(jax.tree.leaves(moe.experts)) == 3
 
 
@@ -172,7 +177,7 @@ def _mesh_case(mesh: str):
     p = parallel.make_parallelism(mesh)
     with parallel.activate(p):
         sharded = parallel.shard(moe, p)
-        assert sharded.experts.lora.gate_a.sharding.spec[0] == "expert"
+        assert sharded.experts.gate.adapter.a.sharding.spec[0] == "expert"
         assert "all_to_all" in str(jax.make_jaxpr(sharded)(x)), "the layer must run with expert parallelism"
         y_mesh, (d_mesh, d_x_mesh) = _output_and_grads(sharded, x)
     _close(np.asarray(y_mesh), np.asarray(y), 1e-5, f"{mesh}: output")

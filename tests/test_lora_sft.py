@@ -15,7 +15,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.lora import has_lora
-from eqmoe.nn._params import Role, param_info
+from eqmoe.params import ParamInfo, Role, param_info
 from experiments import check_logits, convert, generate, sft
 from tests.conftest import load_reference, save_tiny_hf
 
@@ -25,7 +25,7 @@ peft = pytest.importorskip("peft")
 
 def _leaves_by_role(model) -> list[tuple[Role, np.ndarray]]:
     arrays = eqx.filter(model, eqx.is_array)
-    infos = jax.tree.leaves(param_info(arrays), is_leaf=lambda x: hasattr(x, "role"))
+    infos = jax.tree.leaves(param_info(arrays), is_leaf=lambda x: isinstance(x, ParamInfo))
     return [(info.role, np.asarray(leaf)) for info, leaf in zip(infos, jax.tree.leaves(arrays), strict=True)]
 
 
@@ -69,7 +69,7 @@ def test_lora_sft_from_hf_adapter_checkpoints_and_both_exports(tmp_path, capsys,
         metadata = checkpointer.metadata()
         model_paths = [p for p in checkpointer.leaf_paths() if p.startswith(".model.")]
     assert metadata["base"]["format"] == "hf" and len(metadata["base"]["sha256"]) == 64
-    assert model_paths and all(".lora." in p for p in model_paths)
+    assert model_paths and all(".adapter." in p for p in model_paths)  # adapters only (a matrix carries its own)
     trained, _ = load_model(tmp_path / "run" / "checkpoints")
     assert has_lora(trained)
     ids = np.random.default_rng(0).integers(0, 300, (2, 24))

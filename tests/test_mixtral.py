@@ -60,7 +60,7 @@ def test_config_reads_as_mixtral(saved):
     config = hf.read_config(saved)
     hf_config = transformers.MixtralConfig.from_pretrained(saved)
     assert config.family == "mixtral" and config.attention.qk_norm == "none"
-    assert set(config.layer_kinds()) == {"moe"} and config.moe.router.renormalize
+    assert set(config.ffn_kinds()) == {"moe"} and config.moe.router.renormalize
     assert config.attention.head_dim == (hf_config.head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
     assert config.tie_embeddings == hf_config.tie_word_embeddings
 
@@ -118,7 +118,7 @@ def test_every_field_transformers_writes_loads(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("sliding_window", 4096), ("router_jitter_noise", 0.1), ("hidden_act", "gelu"), ("foo", 1)],
+    [("sliding_window", 4096), ("router_jitter_noise", 0.1), ("hidden_act", "gelu")],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
     shared.assert_refused(tmp_path / "model", {**MIXTRAL.full_config(), field: value}, field)
@@ -126,10 +126,15 @@ def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, val
 
 def test_save_refuses_what_mixtral_cannot_express(tmp_path):
     from eqmoe import Transformer
-    from eqmoe.config import segments_from_kinds
 
     MIXTRAL.save_tiny(tmp_path / "hf")
     config = hf.read_config(tmp_path / "hf")
-    dense = config.replace(layers=segments_from_kinds(["dense", "moe"]), mlp_dim=16)
+    dense = config.replace(layers=tuple(["dense", "moe"]), mlp_dim=16)
     with pytest.raises(ValueError, match="layers"):
         hf.save(Transformer(dense, key=jax.random.key(0)), tmp_path / "out")
+
+
+@pytest.mark.parametrize(("key", "value"), [("foo", 1)])
+def test_a_key_transformers_ignores_is_accepted_and_listed(tmp_path, capsys, key, value):
+    """Not a field of transformers' config for this model type: transformers ignores it; eqmoe too, saying so."""
+    shared.assert_ignored(tmp_path, {**MIXTRAL.full_config(), key: value}, key, capsys)

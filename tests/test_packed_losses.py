@@ -9,19 +9,23 @@ import numpy as np
 import pytest
 
 from eqmoe import presets
-from eqmoe.config import MoEConfig, RouterConfig, segments_from_kinds
+from eqmoe.config import MoEConfig, RouterConfig
 from eqmoe.losses import LOAD_BALANCE, objective
 from eqmoe.model import Transformer
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
+from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
+from eqmoe.nn.routing_stats import router_stats
+from eqmoe.registries import check_names
+from tests.parts import context
 
 BASE = presets.get("qwen3-moe-tiny")
 TINY = BASE.replace(
     vocab_size=64,
     embed_dim=32,
     attention=dataclasses.replace(BASE.attention, head_dim=8),
-    layers=segments_from_kinds(["dense", "moe", "moe"]),
+    layers=tuple(["dense", "moe", "moe"]),
     mlp_dim=48,
     init_std=0.3,  # a router far from uniform, so per-row and per-document balances differ clearly
 )
@@ -104,9 +108,12 @@ def test_sequence_balance_matches_a_numpy_derivation(with_segments):
     segments[1] = [1] * 2 + [2] * 10
     # row 2: all padding
     token_mask = segments != 0
-    _, stats = eqx.filter_jit(lambda m, x, s, v: m(x, v, segment_ids=s))(
-        moe, x, jnp.asarray(segments) if with_segments else None, jnp.asarray(token_mask)
-    )
+
+    def stats_of(moe, x, segments, valid):
+        _, routing = moe(x, context(attention_mask(jnp.zeros_like(valid, jnp.int32), valid)))
+        return router_stats(routing, valid, 1, segment_ids=segments)
+
+    stats = eqx.filter_jit(stats_of)(moe, x, jnp.asarray(segments) if with_segments else None, jnp.asarray(token_mask))
     routing = moe.router(x.reshape(-1, 16), jnp.asarray(token_mask).reshape(-1))
     experts = np.asarray(routing.experts).reshape(batch, seq, -1)
     probs = np.asarray(routing.probs, np.float64).reshape(batch, seq, -1)
@@ -123,7 +130,7 @@ def _cases():
     for name in dispatch.BACKENDS.names():
         for factor in (None, 1.0):
             try:
-                _config(name, factor)
+                check_names(_config(name, factor))
             except ValueError:  # the backend's own check refuses the routing (capacity without a factor)
                 continue
             # dense and ragged_dot compute what sorted does (tests/test_stack_and_dispatch.py): run with -m slow

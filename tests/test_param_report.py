@@ -25,7 +25,7 @@ def test_qwen3_30b_a3b_table(capsys):
     out = capsys.readouterr().out
     assert "30,532,122,624" in out
     assert "3,353,032,704" in out
-    assert "ffn.experts.w_gate" in out
+    assert "ffn.experts.gate.weight" in out
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_counts_json(capsys, preset, total, active):
     assert (report["preset"], report["total"], report["active"]) == (preset, total, active)
     assert sum(row["count"] for row in report["parameters"]) == total
     routed = [row for row in report["parameters"] if row["routed"]]
-    assert {row["path"].rsplit(".", 1)[-1] for row in routed} == {"w_gate", "w_up", "w_down"}
+    assert {row["path"].rsplit(".", 2)[-2] for row in routed} == {"gate", "up", "down"}
 
 
 def test_unknown_preset_exits_2(capsys):

@@ -12,8 +12,8 @@ from safetensors.numpy import load_file
 
 from eqmoe.checkpoints import hf
 from eqmoe.models import family
-from eqmoe.models.qwen2_moe import PRESETS, _sparse_layout
-from eqmoe.models.qwen3_moe import layer_kinds_from_hf
+from eqmoe.models.hf_config import _sparse_layout, layer_kinds_from_hf
+from eqmoe.models.qwen2_moe import PRESETS
 from tests import hf_families as shared
 
 torch = pytest.importorskip("torch")
@@ -80,7 +80,7 @@ def test_config_reads_as_qwen2_moe(saved):
     assert (moe.shared_experts, moe.shared_expert_dim, moe.shared_expert_gate) == (1, 40, True)
     assert moe.router.strategy == "softmax_top_k" and moe.router.renormalize == hf_config.norm_topk_prob
     kinds = ["moe" if hasattr(layer.mlp, "shared_expert") else "dense" for layer in reference.model.layers]
-    assert list(config.layer_kinds()) == kinds and "dense" in kinds
+    assert list(config.ffn_kinds()) == kinds and "dense" in kinds
     assert config.tie_embeddings == hf_config.tie_word_embeddings
 
 
@@ -119,7 +119,7 @@ def test_hf_to_eqmoe_to_hf_is_bit_exact(saved, tmp_path):
 def test_hub_key_names(saved):
     keys = set(load_file(saved / "model.safetensors"))
     config = hf.read_config(saved)
-    moe_layer = config.layer_kinds().index("moe")
+    moe_layer = config.ffn_kinds().index("moe")
     prefix = f"model.layers.{moe_layer}.mlp."
     assert {f"{prefix}experts.3.{w}_proj.weight" for w in ("gate", "up", "down")} <= keys
     assert {f"{prefix}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")} <= keys
@@ -277,10 +277,7 @@ def test_every_field_transformers_writes_loads(tmp_path):
         ("layer_types", ["full_attention", "sliding_attention", "full_attention"]),
         ("shared_expert_intermediate_size", 0),
         ("hidden_act", "gelu"),
-        ("num_local_experts", 8),  # Mixtral's name: Qwen2MoeConfig would ignore it
-        ("attention_bias", True),  # not read by Qwen2-MoE (qkv_bias is)
         ("qkv_bias", "yes"),
-        ("foo", 1),
     ],
 )
 def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, value):
@@ -299,3 +296,9 @@ def test_unsupported_field_is_refused_naming_field_and_file(tmp_path, field, val
 def test_export_refuses_what_qwen2_moe_cannot_express(field, change):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         family.get("qwen2_moe").config_to_hf(change(PRESETS["qwen1.5-moe-a2.7b"]))
+
+
+@pytest.mark.parametrize(("key", "value"), [("num_local_experts", 8), ("attention_bias", True), ("foo", 1)])
+def test_a_key_transformers_ignores_is_accepted_and_listed(tmp_path, capsys, key, value):
+    """Not a field of transformers' config for this model type: transformers ignores it; eqmoe too, saying so."""
+    shared.assert_ignored(tmp_path, {**QWEN2_MOE.full_config(), key: value}, key, capsys)

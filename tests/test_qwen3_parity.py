@@ -39,7 +39,7 @@ def test_logits_match_transformers(tmp_path, case):
 def test_layer_layout_follows_hf_rule(tmp_path):
     save_tiny_hf(tmp_path, mlp_only_layers=[0, 2], num_hidden_layers=5)
     model = hf.load(tmp_path)
-    assert model.config.layer_kinds() == ("dense", "moe", "dense", "moe", "moe")
+    assert model.config.ffn_kinds() == ("dense", "moe", "dense", "moe", "moe")
 
 
 def _padded_batch(vocab: int):

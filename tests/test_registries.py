@@ -1,6 +1,7 @@
 """Variant registries: one registry per family is the config's allowed values, its validation, what runs
 and (for dispatch backends) what the planner estimates. A new variant is a function and one registration;
-an unregistered name is refused everywhere, naming the registered ones."""
+an unregistered name is refused wherever parts are looked up (:func:`eqmoe.registries.check_names`: the model,
+overrides, every command), naming the registered ones; the config itself is pure data."""
 
 import json
 
@@ -15,9 +16,10 @@ from eqmoe.analysis import plan
 from eqmoe.config import AttentionConfig, LossConfig, MoEConfig, NormConfig, RouterConfig
 from eqmoe.config_io import apply_overrides
 from eqmoe.losses import LOAD_BALANCE, objective
-from eqmoe.nn import attention, block, dispatch
+from eqmoe.nn import attention_backends, block, dispatch
 from eqmoe.nn._init import Init
 from eqmoe.nn.router import STRATEGIES, Router, Strategy
+from eqmoe.registries import check_names
 from eqmoe.registry import Registry
 from experiments import plan as plan_cli
 from experiments import pretrain
@@ -80,7 +82,7 @@ def test_a_registered_strategy_trains_through_pretrain_override(tmp_path):
         init, key, x = Init("normal", 1.0, jnp.dtype("float32")), jax.random.key(0), jax.random.normal(key1, (8, 16))
         router = Router(16, RouterConfig(num_experts=8, top_k=2, strategy="lowest_k"), init=init, key=key)
         routing = router(x, jnp.ones(8, bool))
-        np.testing.assert_array_equal(routing.experts, jax.lax.top_k(-(x @ router.weight), 2)[1])
+        np.testing.assert_array_equal(routing.experts, jax.lax.top_k(-(x @ router.gate.weight), 2)[1])
         default = Router(16, RouterConfig(num_experts=8, top_k=2), init=init, key=key)
         assert not np.array_equal(routing.experts, default(x, jnp.ones(8, bool)).experts)
     with pytest.raises(ValueError, match="allowed: softmax_top_k"):
@@ -90,8 +92,9 @@ def test_a_registered_strategy_trains_through_pretrain_override(tmp_path):
 def test_an_unregistered_strategy_is_refused_naming_the_registered_ones():
     allowed = " | ".join(STRATEGIES.names())
     assert allowed.startswith("softmax_top_k | top_k_softmax | top2_gating | sigmoid_top_k")
+    config = apply_overrides(presets.get("qwen3-moe-micro"), {})
     with pytest.raises(ValueError) as excinfo:
-        RouterConfig(num_experts=4, top_k=2, strategy="lowest_k")
+        check_names(config.replace(moe=MoEConfig(RouterConfig(num_experts=4, top_k=2, strategy="lowest_k"), 8)))
     assert str(excinfo.value) == f"RouterConfig.strategy='lowest_k' is invalid; allowed: {allowed}"
     with pytest.raises(ValueError) as excinfo:
         apply_overrides(presets.get("qwen3-moe-micro"), {"moe.router.strategy": "lowest_k"})
@@ -102,17 +105,22 @@ def test_an_unregistered_strategy_is_refused_naming_the_registered_ones():
 
 def test_a_strategy_check_lives_with_its_registration():
     assert STRATEGIES.get("top2_gating").check is not None
+    base = presets.get("qwen3-moe-micro")
+
+    def routed(router: RouterConfig):
+        return base.replace(moe=MoEConfig(router, 8))
+
     with pytest.raises(ValueError, match="top_k=3 is invalid; allowed: 2 with strategy='top2_gating'"):
-        RouterConfig(num_experts=4, top_k=3, strategy="top2_gating")
+        check_names(routed(RouterConfig(num_experts=4, top_k=3, strategy="top2_gating")))
 
     def needs_one(config):
         if config.top_k != 1:
             raise ValueError(f"RouterConfig.top_k={config.top_k} is invalid; allowed: 1 with strategy='first'")
 
     with STRATEGIES.registered("first", Strategy(lowest_k, check=needs_one)):
-        RouterConfig(num_experts=4, top_k=1, strategy="first")
+        check_names(routed(RouterConfig(num_experts=4, top_k=1, strategy="first")))
         with pytest.raises(ValueError, match="allowed: 1 with strategy='first'"):
-            RouterConfig(num_experts=4, top_k=2, strategy="first")
+            check_names(routed(RouterConfig(num_experts=4, top_k=2, strategy="first")))
 
 
 # --- dispatch backends ----------------------------------------------------------------------------------
@@ -142,29 +150,33 @@ def test_a_registered_backend_runs_like_dense_and_is_planned_by_its_own_estimate
         p = parallel.make_parallelism("data=1", devices=jax.devices()[:1])
         batch, seq = 4, 32
         mine, dense = plan.estimate(config, p, batch, seq), plan.estimate(dense_config, p, batch, seq)
-        moe_layers = config.layer_kinds().count("moe")
+        moe_layers = config.ffn_kinds().count("moe")
         assert mine.activations - dense.activations == pytest.approx(batch * seq * moe_layers * EXTRA_BYTES)
 
         args = plan_cli.Args(preset="qwen3-moe-micro", batch=batch, seq=seq, dispatch="dense_again", compile=False)
         assert plan_cli.main(args) == 0
         capsys.readouterr()
     # Once unregistered, the name is refused, never planned with another backend's estimate.
-    with pytest.raises(ValueError, match="unknown dispatch backend 'dense_again'"):
+    with pytest.raises(ValueError, match="MoEConfig.dispatch='dense_again' is invalid; allowed: dense"):
         plan.estimate(config, p, batch, seq)
     assert plan_cli.main(plan_cli.Args(dispatch="dense_again", compile=False)) == 2
     assert "allowed: auto | dense | sorted | ragged_dot | capacity" in capsys.readouterr().err
 
 
-def test_an_unregistered_backend_is_refused_by_the_config():
+def test_an_unregistered_backend_is_refused_where_backends_are_looked_up():
+    base = presets.get("qwen3-moe-micro")
+    unregistered = base.replace(moe=MoEConfig(RouterConfig(4, 2), 8, dispatch="dense_again"))  # pure data: built
     with pytest.raises(ValueError) as excinfo:
-        MoEConfig(RouterConfig(4, 2), 8, dispatch="dense_again")
+        check_names(unregistered)
     assert str(excinfo.value) == (
         "MoEConfig.dispatch='dense_again' is invalid; allowed: dense | sorted | ragged_dot | capacity | auto"
     )
+    with pytest.raises(ValueError, match="MoEConfig.dispatch='dense_again' is invalid"):
+        Transformer(unregistered, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"override moe.dispatch='dense_again': .*allowed: dense \| sorted"):
-        apply_overrides(presets.get("qwen3-moe-micro"), {"moe.dispatch": "dense_again"})
+        apply_overrides(base, {"moe.dispatch": "dense_again"})
     with pytest.raises(ValueError, match="MoEConfig.dispatch='capacity' is invalid"):  # the backend's own check
-        MoEConfig(RouterConfig(4, 2), 8, dispatch="capacity")
+        check_names(base.replace(moe=MoEConfig(RouterConfig(4, 2), 8, dispatch="capacity")))
 
 
 # --- load-balance forms, attention backends, norm placements ---------------------------------------------
@@ -172,7 +184,7 @@ def test_an_unregistered_backend_is_refused_by_the_config():
 
 def test_load_balance_forms_are_registered_reported_and_trained():
     with pytest.raises(ValueError) as excinfo:
-        LossConfig(load_balance="global")
+        check_names(presets.get("qwen3-moe-micro").replace(loss=LossConfig(load_balance="global")))
     assert str(excinfo.value) == (
         "LossConfig.load_balance='global' is invalid; allowed: hf_pooled | axlearn_top1 | maxtext_sequence"
     )
@@ -190,15 +202,16 @@ def test_load_balance_forms_are_registered_reported_and_trained():
 
 
 def test_attention_backends_and_norm_placements_come_from_their_registries():
-    assert attention.BACKENDS.names() == ("blockwise", "dense", "cudnn")
+    assert attention_backends.BACKENDS.names() == ("blockwise", "dense", "cudnn")
+    base = presets.get("qwen3-moe-micro")
     with pytest.raises(ValueError) as excinfo:
-        AttentionConfig(4, 2, 8, backend="flash3")
+        check_names(base.replace(attention=AttentionConfig(4, 2, 8, backend="flash3")))
     assert (
         str(excinfo.value) == "AttentionConfig.backend='flash3' is invalid; allowed: blockwise | dense | cudnn | auto"
     )
     assert block.PLACEMENTS.names() == ("pre", "post", "hybrid")
     with pytest.raises(ValueError) as excinfo:
-        NormConfig(ffn_placement="sandwich")
+        check_names(base.replace(norm=NormConfig(ffn_placement="sandwich")))
     assert str(excinfo.value) == "NormConfig.ffn_placement='sandwich' is invalid; allowed: pre | post | hybrid"
     with pytest.raises(ValueError, match=r"override norm.ffn_placement='sandwich': .*allowed: pre \| post \| hybrid"):
         apply_overrides(presets.get("qwen3-moe-micro"), {"norm.ffn_placement": "sandwich"})

@@ -15,7 +15,6 @@ from eqmoe.config import (
     LossConfig,
     ModelConfig,
     MoEConfig,
-    Segment,
     field_kind,
 )
 from eqmoe.config_io import apply_overrides, architecture_differences
@@ -62,7 +61,7 @@ def test_architecture_differences_skip_execution_and_objective_fields():
         ("norm.eps", 1e-6, 1e-5),
         ("param_dtype", "float32", "bfloat16"),
     ]
-    dense = MICRO.replace(moe=None, mlp_dim=64, layers=(Segment(("dense",), 2),))
+    dense = MICRO.replace(moe=None, mlp_dim=64, layers=("dense",) * 2)
     assert architecture_differences(MICRO, dense) == [
         ("layers", MICRO.layers, dense.layers),
         ("mlp_dim", MICRO.mlp_dim, 64),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from eqmoe.analysis.routing import accumulate, normalized_mutual_information, summarize
-from eqmoe.nn.router import Routing, router_stats
+from eqmoe.nn.router import Routing
+from eqmoe.nn.routing_stats import router_stats
 
 
 def _stats(logits, experts, kept):
@@ -18,7 +19,6 @@ def _stats(logits, experts, kept):
         kept=jnp.asarray(kept),
         positions=jnp.zeros_like(experts),
         logits=logits,
-        probs=jax.nn.softmax(logits, axis=-1),
     )
     return router_stats(routing, jnp.ones((1, experts.shape[0]), bool), num_groups=1)
 

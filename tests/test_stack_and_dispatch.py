@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eqmoe import presets
-from eqmoe.config import MoEConfig, RouterConfig, segments_from_kinds
+from eqmoe.config import MoEConfig, RouterConfig
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
 from eqmoe.nn import dispatch
@@ -23,7 +23,7 @@ from eqmoe.nn.router import Routing
 SMALL = presets.get("qwen3-moe-tiny").replace(
     vocab_size=64,
     embed_dim=32,
-    layers=segments_from_kinds(["dense", "moe", "moe", "dense", "moe", "moe"]),
+    layers=tuple(["dense", "moe", "moe", "dense", "moe", "moe"]),
     mlp_dim=48,
 )
 
@@ -54,7 +54,7 @@ def test_scanned_and_unrolled_stacks_agree(remat):
 
 def test_router_stats_are_in_layer_order():
     """A unit of two MoE blocks scanned three times reports six layers in checkpoint order."""
-    config = SMALL.replace(layers=segments_from_kinds(["moe", "moe"] * 3))
+    config = SMALL.replace(layers=tuple(["moe", "moe"] * 3))
     model = Transformer(config, key=jax.random.key(2))
     tokens = jax.random.randint(jax.random.key(3), (1, 6), 0, config.vocab_size)
     aux = eqx.filter_jit(model)(tokens).aux
@@ -79,7 +79,6 @@ def _dispatch_outputs_and_grads(backend, moe, x, weights, experts, block_size):
             experts,
             jnp.ones(experts.shape, bool),
             jnp.zeros_like(experts),
-            jnp.zeros((x.shape[0], config.router.num_experts)),
             jnp.zeros((x.shape[0], config.router.num_experts)),
         )
         y = dispatch.BACKENDS.get(backend).run(x, routing, params, config)

@@ -13,13 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eqmoe.config import AttentionConfig, ModelConfig, MoEConfig, NormConfig, RouterConfig, Segment
+from eqmoe.config import AttentionConfig, LayerKind, ModelConfig, MoEConfig, NormConfig, RouterConfig
 from eqmoe.nn._init import Init
-from eqmoe.nn.attention import attention_mask
 from eqmoe.nn.block import Block
+from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
-from eqmoe.nn.rope import rope_tables
 from eqmoe.nn.router import expert_capacity
+from eqmoe.nn.routing_stats import router_stats
+from tests.parts import context
 
 # --- NumPy reference -------------------------------------------------------------------------------------
 
@@ -89,19 +90,19 @@ def _moe(num_experts, embed, factor, groups, backend, router_weight, seed=0):
     router = RouterConfig(num_experts, 2, strategy="top2_gating", capacity_factor=factor, num_groups=groups)
     config = MoEConfig(router, expert_dim=6, dispatch=backend, block_size=4)
     moe = MoE(embed, config, init=Init("normal", 0.5, jnp.dtype("float32")), key=jax.random.key(seed))
-    return eqx.tree_at(lambda m: m.router.weight, moe, jnp.asarray(router_weight, jnp.float32))
+    return eqx.tree_at(lambda m: m.router.gate.weight, moe, jnp.asarray(router_weight, jnp.float32))
 
 
 @eqx.filter_jit
 def _forward(moe, x):
     flat = x.reshape(-1, x.shape[-1])
     routing = moe.router(flat, jnp.ones(flat.shape[0], bool))
-    y, stats = moe(x)
-    return routing, y, stats
+    y, returned = moe(x)
+    return routing, y, router_stats(returned, jnp.ones(x.shape[:2], bool), moe.config.router.num_groups)
 
 
 def _expert_weights(moe):
-    return moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down
+    return moe.experts.gate.weight, moe.experts.up.weight, moe.experts.down.weight
 
 
 CAPACITY_CASES = [(50, 40.0, 40, 50), (50, 2.5, 40, 3), (8192, 2.5, 40, 512)]  # (S, factor, E, C)
@@ -157,26 +158,25 @@ def test_hybridnorm_fully_dropped_token_is_identity_through_ffn():
         vocab_size=16,
         embed_dim=16,
         attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=8),
-        layers=(Segment(("moe",), 1),),
+        layers=("moe",),
         moe=MoEConfig(router, expert_dim=8, dispatch="capacity"),
         norm=NormConfig(ffn_placement="hybrid"),
         init_std=0.5,
     )
-    block = eqx.filter_jit(lambda key: Block("moe", config, key=key))(jax.random.key(0))  # one compile, not ~100
+    block = eqx.filter_jit(lambda key: Block(LayerKind(ffn="moe"), config, key=key))(jax.random.key(0))  # one compile
     block = eqx.tree_at(lambda b: b.post_norm.weight, block, jnp.linspace(0.5, 1.5, 16))
     x = jax.random.normal(jax.random.key(1), (1, seq, 16))
-    positions = jnp.arange(seq)[None]
-    cos, sin = rope_tables(positions, 8, config.attention.rope_theta, jnp.float32)
     token_mask = jnp.ones((1, seq), bool)
-    mask = attention_mask(jnp.zeros((1, seq), jnp.int32), token_mask)
+    ctx = context(attention_mask(jnp.zeros((1, seq), jnp.int32), token_mask))
 
     @eqx.filter_jit
     def run(block, x):  # the residual is formed from the block's own parts in the same program
-        residual = x + block.attention(block.attn_norm(x), cos, sin, mask)
-        return block(x, cos, sin, mask, token_mask), residual, block.pre_norm(residual)[0]
+        residual = x + block.attention(block.attn_norm(x), ctx)[0]
+        out, routing, _ = block(x, ctx)
+        return (out, router_stats(routing, token_mask, 1)), residual, block.pre_norm(residual)[0]
 
     (out, stats), residual, h = run(block, x)
-    weights, chosen, kept = reference_top2(h @ block.ffn.router.weight, 1, 0.25)
+    weights, chosen, kept = reference_top2(h @ block.ffn.router.gate.weight, 1, 0.25)
     dropped_tokens = ~kept.any(axis=1)
     assert dropped_tokens.sum() >= 8
     np.testing.assert_array_equal(np.asarray(out)[0, dropped_tokens], np.asarray(residual)[0, dropped_tokens])

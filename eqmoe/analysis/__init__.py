@@ -1,4 +1,4 @@
-"""Reports computed from configs and models: parameter counts, routing statistics."""
+"""Reports computed from configs and models: parameter counts, routing statistics, held-out evaluation."""
 
 from eqmoe.analysis.params import ParamRow, count_parameters, parameter_table
 from eqmoe.analysis.routing import RoutingSummary, accumulate, normalized_mutual_information, summarize

@@ -8,7 +8,7 @@ import jax
 
 from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
-from eqmoe.nn._params import param_infos
+from eqmoe.params import param_infos
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from eqmoe import parallel
-from eqmoe.config import ModelConfig
+from eqmoe.config import ModelConfig, segments
 from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
-from eqmoe.nn._params import param_infos
+from eqmoe.nn.kinds import Cost, PlanShape
+from eqmoe.params import param_infos
+from eqmoe.registries import ATTENTION_KINDS, FFN_KINDS
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import abstract_state, hold_frozen
 from eqmoe.train.step import Batch, train_step_fn
@@ -110,6 +112,24 @@ def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int
     return state, data, optimizer, schedule
 
 
+def plan_shape(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> PlanShape:
+    """One device's share of a step of ``batch`` rows of ``seq`` tokens on ``p``'s mesh."""
+    shards = math.prod(p.size(a) for a in p.mesh_axes("batch"))
+    rows = batch // shards if batch % shards == 0 else batch
+    return PlanShape(rows, seq, jnp.dtype(config.dtype).itemsize, p.size("tensor"), p.size("expert"))
+
+
+def layer_costs(config: ModelConfig, shape: PlanShape) -> list[tuple[Cost, Cost]]:
+    """``(attention, FFN)`` planner estimates of every layer, from its kinds' own ``plan``."""
+    return [
+        (
+            ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape),
+            FFN_KINDS.get(layer.ffn).plan(config, layer, shape),
+        )
+        for layer in config.layers
+    ]
+
+
 def estimate(
     config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None
 ) -> Memory:
@@ -122,40 +142,29 @@ def estimate(
     is_trained = trained_roles(training.optimizer, state.model)
     infos = param_infos(state.model)
     trained = sum(_local_size(x) for x, info in zip(leaves, infos, strict=True) if is_trained(info.role))
-    shards = math.prod(p.size(a) for a in p.mesh_axes("batch"))
-    rows = batch // shards if batch % shards == 0 else batch
-    tokens = rows * seq
-    c = jnp.dtype(config.dtype).itemsize
-    tp = p.size("tensor")
-    attn = config.attention
-    heads, kv = _split(attn.num_heads, tp), _split(attn.num_kv_heads, tp)
-    d, hd = config.embed_dim, attn.head_dim
-    attention = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 4 * heads + c * _RESIDUAL_COPIES * d
-    blockwise = attn.backend != "dense"
-    attention += 0 if blockwise else 10 * heads * seq
-    per_kind = {"dense": c * (2 * d + 3 * _split(config.mlp_dim or 0, tp))}
-    if config.moe is not None:
-        per_kind["moe"] = _moe_bytes_per_token(config, p, tokens, c)
-    kinds = config.layer_kinds()
-    layers = [attention + per_kind[kind] for kind in kinds]
+    shape = plan_shape(config, p, batch, seq)
+    c, d = shape.bytes, config.embed_dim
+    residual = c * _RESIDUAL_COPIES * d
+    costs = layer_costs(config, shape)
+    layers = [attention.activations + ffn.activations + residual for attention, ffn in costs]
     if config.remat == "block":
         # Layer inputs stay; one repeat unit is recomputed at a time and its backward frees activations as
         # it consumes them (about three quarters of the unit's are live at once on XLA:CPU).
-        units = [sum(attention + per_kind[kind] for kind in segment.unit) for segment in config.layers]
-        kept = c * d * len(kinds) + 0.75 * max(units)
+        units, start = [], 0
+        for segment in segments(config.layers):
+            units.append(sum(layers[start : start + len(segment.unit)]))
+            start += segment.num_layers
+        kept = c * d * len(layers) + 0.75 * max(units)
     else:
         kept = sum(layers)
-    output_layer = 4 * 2 * _split(config.vocab_size, tp)
-    activations = tokens * (kept + output_layer)
-    if blockwise:
-        tile = min(attn.block_size, seq)
-        activations += tokens * 4 * heads * hd + 4 * rows * heads * tile * tile
+    output_layer = 4 * 2 * shape.split(config.vocab_size)
+    activations = shape.tokens * (kept + output_layer) + max(attention.per_step for attention, _ in costs)
     return Memory(
         parameters=params,
         optimizer=2 * 4 * trained,
         gradients=2 * 4 * trained,  # the gradients and the optimizer's update of the trained parameters
         activations=float(activations),
-        batch=float(13 * tokens),  # three int32 arrays and a bool mask
+        batch=float(13 * shape.tokens),  # three int32 arrays and a bool mask
         output=params + 2 * 4 * trained,
     )
 
@@ -164,29 +173,6 @@ def estimate(
 # about six more embed-width vectors than the named activations (residual-stream copies, norm statistics,
 # the scan's stacked carries).
 _RESIDUAL_COPIES = 6
-
-
-def _moe_bytes_per_token(config: ModelConfig, p: parallel.Parallelism, tokens: int, c: int) -> float:
-    """Activation bytes per token of one MoE layer: the routing's, plus the expert compute's from the
-    registered estimate of the backend that will run (:data:`eqmoe.nn.dispatch.BACKENDS`), or the padded
-    buffers of the expert-parallel path on a mesh with an ``expert`` axis."""
-    from eqmoe.nn.dispatch import BACKENDS, backend_name
-
-    moe, d = config.moe, config.embed_dim
-    router = moe.router
-    k, experts, f = router.top_k, router.num_experts, _split(moe.expert_dim, p.size("tensor"))
-    routing = c * 2 * d + 4 * 3 * experts  # the FFN input and its norm; logits, probabilities, choices
-    routing += c * 3 * _split(moe.shared_width, p.size("tensor"))  # shared experts: a dense SwiGLU's gate/up/act
-    name = backend_name(moe)  # an unregistered backend raises here, naming the registered ones
-    if router.capacity_factor is None and name != "dense" and p.size("expert") > 1:
-        # Expert parallel: send and receive buffers padded to P * T*k rows, local compute on all of them.
-        rows = p.size("expert") * k
-        return routing + c * rows * (4 * d + 3 * f)
-    return routing + BACKENDS.get(name).estimate(moe, tokens, d, f, c)
-
-
-def _split(size: int, ways: int) -> int:
-    return size // ways if size % ways == 0 else size
 
 
 class Compiled(NamedTuple):
@@ -232,23 +218,22 @@ def compile_step(
 def active_parameters(config: ModelConfig) -> tuple[int, int]:
     """``(total, active per token)`` parameter counts, embedding lookup excluded from active."""
     model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct))
+    leaves = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
+    total = sum(math.prod(x.shape) for x in leaves)
     # The embedding lookup costs no matmul; a tied embedding is also the output layer, which does.
     active = total if config.tie_embeddings else total - config.vocab_size * config.embed_dim
     if config.moe is not None:
         router = config.moe.router
-        per_expert = 3 * config.embed_dim * config.moe.expert_dim
-        moe_layers = sum(kind == "moe" for kind in config.layer_kinds())
-        active -= moe_layers * per_expert * (router.num_experts - router.top_k)
+        infos = param_infos(model)
+        routed = sum(math.prod(x.shape) for x, info in zip(leaves, infos, strict=True) if info.role.routed)
+        active -= routed // router.num_experts * (router.num_experts - router.top_k)
     return total, active
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
-    """``(total-parameter, active-parameter)`` training FLOPs per token (see the module docstring)."""
+    """``(total-parameter, active-parameter)`` training FLOPs per token: ``6 N`` for the parameters' matmuls plus
+    each attention kind's own count of its scores and values (see its ``plan``)."""
     total, active = active_parameters(config)
-    attn = config.attention
-    attention = 12 * config.num_layers * attn.num_heads * attn.head_dim * seq
-    if attn.backend != "dense":
-        blocks = -(-seq // min(attn.block_size, seq))
-        attention = attention * 14 / 12 * (blocks + 1) / (2 * blocks)
+    shape = PlanShape(1, seq, jnp.dtype(config.dtype).itemsize)
+    attention = sum(ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape).flops for layer in config.layers)
     return float(6 * total + attention), float(6 * active + attention)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from eqmoe.nn.router import RouterStats
+from eqmoe.nn.routing_stats import RouterStats
 
 
 class RoutingSummary(NamedTuple):

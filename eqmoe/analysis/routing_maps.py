@@ -1,8 +1,8 @@
 """Per-token routing records and the routing analyses MoE papers publish (Switch, GShard, OLMoE, DeepSeek).
 
-:class:`RoutingRecorder` runs any :class:`~eqmoe.model.Transformer` on token ids and keeps, for every real
-token and every MoE layer, the ``top_k`` experts it chose (best first) and their combine weights: a
-:class:`RoutingRecords`. Everything after that is plain NumPy on those records:
+:class:`RoutingRecorder` runs any :class:`~eqmoe.model.Transformer` on token ids and keeps, from the routing it
+returns, for every real token and every MoE layer, the ``top_k`` experts it chose (best first) and their combine
+weights: a :class:`RoutingRecords`. Everything after that is plain NumPy on those records:
 
 - :func:`load_report`: each expert's share of a layer's assignments, its p1/p50/p99 and the dead experts;
 - :func:`coactivation`: how often two experts are chosen for the same token;
@@ -20,7 +20,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -31,8 +31,10 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from eqmoe.analysis.routing import normalized_mutual_information
+from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
-from eqmoe.nn.router import Router, Routing
+from eqmoe.nn.router import Routing
+from eqmoe.registries import FFN_KINDS
 
 # --- records --------------------------------------------------------------------------------------------------
 
@@ -81,86 +83,46 @@ def concat_records(parts: Sequence[RoutingRecords]) -> RoutingRecords:
     return RoutingRecords(first.num_experts, first.layers, **fields)
 
 
-# --- collection: the model's own forward pass, every router's decision sent to the host ---------------------------
+# --- collection: the routing the model's own forward pass returns -----------------------------------------------
 
 
-class _RecordingRouter(eqx.Module):
-    """A router that also hands its decision to ``sink`` with its model layer number.
-
-    ``layer`` is an array stacked like the router's parameters, so inside the segment's ``lax.scan`` each
-    repeat sees its own layer number; the model code runs unchanged, so capacity, LoRA and aux-loss-free
-    biases route exactly as in training."""
-
-    router: Router
-    layer: Int[Array, "*repeats"]
-    sink: Callable = eqx.field(static=True)
-
-    def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
-        routing = self.router(x, token_mask)
-        jax.debug.callback(self.sink, self.layer, routing.experts, routing.weights, routing.kept)
-        return routing
-
-
-def moe_layer_numbers(model: Transformer) -> list[tuple[int, int, np.ndarray]]:
-    """``(segment, block in the unit, model layer number of each repeat)`` for every MoE block of ``model``."""
-    found, first = [], 0
-    for index, segment in enumerate(model.config.layers):
-        width = len(segment.unit)
-        for position, kind in enumerate(segment.unit):
-            if kind == "moe":
-                found.append((index, position, first + np.arange(segment.repeats) * width + position))
-        first += segment.num_layers
-    return found
+def moe_layer_numbers(config: ModelConfig) -> np.ndarray:
+    """The model layer number of every routed layer, in order (the order of ``ModelOutput.routing``)."""
+    return np.asarray([i for i, layer in enumerate(config.layers) if FFN_KINDS.get(layer.ffn).routed], np.int32)
 
 
 @eqx.filter_jit
-def _token_losses(
+def _losses_and_routing(
     model: Transformer,
     tokens: Int[Array, "batch seq"],
     segment_ids: Int[Array, "batch seq"],
     positions: Int[Array, "batch seq"],
     token_mask: Bool[Array, "batch seq"],
-) -> Float[Array, "batch seq"]:
-    """``-log p(tokens[t] | tokens[<t])`` at every position ``t >= 1`` (0 at ``t = 0``), in float32."""
-    logits = model(tokens, segment_ids=segment_ids, positions=positions, token_mask=token_mask).logits
-    logits = logits[:, :-1].astype(jnp.float32)
+) -> tuple[Float[Array, "batch seq"], Routing]:
+    """``-log p(tokens[t] | tokens[<t])`` at every position ``t >= 1`` (0 at ``t = 0``), in float32, and the
+    routing of every MoE layer."""
+    output = model(tokens, segment_ids=segment_ids, positions=positions, token_mask=token_mask)
+    logits = output.logits[:, :-1].astype(jnp.float32)
     target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.pad(jax.nn.logsumexp(logits, axis=-1) - target, ((0, 0), (1, 0)))
-
-
-class _Sink:
-    """Where the routers' callbacks leave their decisions: ``captured[layer] = (experts, weights, kept)``."""
-
-    def __init__(self):
-        self.captured: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def __call__(self, layer, experts, weights, kept) -> None:
-        self.captured[int(np.asarray(layer))] = (np.asarray(experts), np.asarray(weights), np.asarray(kept))
+    return jnp.pad(jax.nn.logsumexp(logits, axis=-1) - target, ((0, 0), (1, 0))), output.routing
 
 
 class RoutingRecorder:
     """Runs ``model`` on batches of token ids and returns every real token's :class:`RoutingRecords`.
 
-    Each MoE block's router is wrapped (:class:`_RecordingRouter`, with ``eqx.tree_at``) so that the model's
-    own ``__call__`` sends each router decision to the host through ``jax.debug.callback``; nothing in the
-    model changes. One recorder compiles once per batch shape, so reuse it across batches::
+    The model's own ``__call__`` returns each MoE layer's routing (``ModelOutput.routing``), so capacity, LoRA
+    and aux-loss-free biases route exactly as in training. One recorder compiles once per batch shape, so reuse
+    it across batches::
 
         recorder = RoutingRecorder(model)
         records = concat_records([recorder(tokens) for tokens in batches])
     """
 
     def __init__(self, model: Transformer):
-        blocks = moe_layer_numbers(model)
-        if not blocks:
+        self.layers = moe_layer_numbers(model.config)
+        if not len(self.layers):
             raise ValueError("the model has no MoE layer: there is no routing to record")
-        # The sink is part of the compiled function's cache key: it must not hold the model (or the recorder).
-        self._sink = _Sink()
-        for segment, position, numbers in blocks:
-            router = model.segments[segment].blocks[position].ffn.router
-            wrapped = _RecordingRouter(router, jnp.asarray(numbers, jnp.int32), self._sink)
-            model = eqx.tree_at(lambda m, s=segment, p=position: m.segments[s].blocks[p].ffn.router, model, wrapped)
         self.model = model
-        self.layers = np.sort(np.concatenate([numbers for _, _, numbers in blocks])).astype(np.int32)
         self.num_experts = model.config.moe.router.num_experts
         self._rows = 0
 
@@ -183,20 +145,14 @@ class RoutingRecorder:
         if positions is None:
             positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
         positions = np.asarray(positions, np.int32)
-        self._sink.captured = {}
-        losses = _token_losses(self.model, *map(jnp.asarray, (tokens, segments, positions, mask)))
+        losses, routing = _losses_and_routing(self.model, *map(jnp.asarray, (tokens, segments, positions, mask)))
         losses = np.asarray(losses, np.float32)
-        jax.effects_barrier()  # every router's callback has run
-        captured, self._sink.captured = self._sink.captured, {}
-        missing = [int(layer) for layer in self.layers if int(layer) not in captured]
-        if missing:
-            raise RuntimeError(f"no routing was recorded for MoE layers {missing}")
+        experts, weights, kept = (np.asarray(x) for x in (routing.experts, routing.weights, routing.kept))
 
         predicted = np.zeros_like(mask)  # a target has a real token of its own document before it
         predicted[:, 1:] = mask[:, 1:] & mask[:, :-1] & (segments[:, 1:] == segments[:, :-1])
         losses = np.where(predicted, losses, np.nan).astype(np.float32)
         flat = mask.reshape(-1)
-        per_layer = [captured[int(layer)] for layer in self.layers]
         rows = np.broadcast_to(self._rows + np.arange(batch, dtype=np.int32)[:, None], (batch, seq))
         self._rows += batch
         return RoutingRecords(
@@ -205,9 +161,9 @@ class RoutingRecorder:
             token_ids=tokens.reshape(-1)[flat],
             sequences=rows.reshape(-1)[flat],
             positions=positions.reshape(-1)[flat],
-            experts=np.stack([experts[flat] for experts, _, _ in per_layer], axis=1).astype(np.int32),
-            weights=np.stack([weights[flat] for _, weights, _ in per_layer], axis=1).astype(np.float32),
-            kept=np.stack([kept[flat] for _, _, kept in per_layer], axis=1),
+            experts=np.moveaxis(experts[:, flat], 0, 1).astype(np.int32),
+            weights=np.moveaxis(weights[:, flat], 0, 1).astype(np.float32),
+            kept=np.moveaxis(kept[:, flat], 0, 1),
             losses=losses.reshape(-1)[flat],
             domains=None if domains is None else np.asarray(domains, np.int32).reshape(-1)[flat],
         )

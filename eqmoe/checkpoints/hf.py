@@ -22,6 +22,7 @@ from eqmoe.config import ModelConfig
 from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.models.family import TensorName
+from eqmoe.models.field_map import report_ignored
 from eqmoe.progress import phase_bar
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,7 +50,10 @@ def read_config(folder: str | Path) -> ModelConfig:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    return families.from_hf_model_type(hf.get("model_type"), str(path)).config_from_hf(hf, str(path))
+    family = families.from_hf_model_type(hf.get("model_type"), str(path))
+    config = family.config_from_hf(hf, str(path))
+    report_ignored(family.ignored_keys(hf), str(path), family.hf_model_type)
+    return config
 
 
 def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:

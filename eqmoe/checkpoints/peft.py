@@ -23,9 +23,8 @@ from safetensors.numpy import save_file
 
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.hf import _checkpoint_names, _get
-from eqmoe.lora import adapter_member
 from eqmoe.model import Transformer
-from eqmoe.nn.attention import Attention
+from eqmoe.nn.linear import Linear
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -61,26 +60,28 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     dropout = 0.0
     experts: dict[tuple, dict] = {}
     for name in _checkpoint_names(model.config):
-        layer = _get(model, name.path[:-1])
-        adapters = getattr(layer, "lora", None)
-        member = adapter_member(layer, name.path[-1])
-        if adapters is None or member is None or getattr(adapters, member + "a") is None:
+        if name.path[-1] != "weight":
             continue
-        a, b = getattr(adapters, member + "a"), getattr(adapters, member + "b")
-        rank, scale, dropout = a.shape[-1], adapters.scale, max(dropout, getattr(adapters, "dropout", 0.0))
+        linear = _get(model, name.path[:-1])
+        if not isinstance(linear, Linear) or linear.adapter is None:
+            continue
+        adapter = linear.adapter
+        a, b = adapter.a, adapter.b
+        rank, scale, dropout = adapter.rank, adapter.scale, max(dropout, adapter.dropout)
+        part = _get(model, name.path[:-2])
         if len(name.index) == 1:  # one matrix per layer
             module = name.key.removesuffix(".weight")
             lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
             tensors[f"{_PREFIX}{module}.lora_A.weight"] = lora_a
             tensors[f"{_PREFIX}{module}.lora_B.weight"] = lora_b
-            if isinstance(layer, Attention):
+            if getattr(part, "adapter_group", None) == "attention":
                 modules.add(module.rsplit(".", 1)[-1])
             else:  # PEFT renames listed gate/up/down_proj modules of MoE models to fused-expert targets
                 parameters.add(".".join(module.split(".")[-2:]) + ".weight")
         elif name.index[1] == 0:  # routed experts: the whole stack at the first expert's name
             module = name.key.split(".experts.")[0] + ".experts"
-            slot = experts.setdefault((module, name.path[:-1], name.index[0]), {})
-            slot[member] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]))
+            slot = experts.setdefault((module, name.path[:-2], name.index[0]), {})
+            slot[name.path[-2] + "_"] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]))
     for (module, _, _), members in experts.items():
         fused = [(m, i) for i, m in enumerate(("gate_", "up_")) if m in members]
         wrapped = []

@@ -41,6 +41,10 @@ class Document(NamedTuple):
     domain: str
 
 
+# Held-out characters of each built-in domain: pretrain's evaluation and analyze_routing's default sample.
+EVAL_CHARS_PER_DOMAIN = 20_000
+
+
 def _arithmetic(rng: random.Random) -> str:
     lines = []
     for _ in range(rng.randint(3, 8)):

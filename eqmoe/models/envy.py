@@ -23,7 +23,6 @@ from eqmoe.config import (
     MoEConfig,
     NormConfig,
     RouterConfig,
-    Segment,
 )
 from eqmoe.models.family import Family, register
 
@@ -54,7 +53,7 @@ def axlearn_envy(size: str) -> ModelConfig:
             rope_layout="interleaved",
             qk_norm="after_rope",
         ),
-        layers=(Segment(unit=("dense", "moe"), repeats=repeats),),
+        layers=("dense", "moe") * repeats,
         mlp_dim=ffn,
         moe=MoEConfig(
             router=RouterConfig(
@@ -102,21 +101,21 @@ _BLOCK = re.compile(r"segments\.0\.blocks\.(\d)\.(.+)")
 # eqmoe leaf (within a block) -> (AXLearn name, MaxText name); AXLearn's layer0 is dense, layer1 MoE.
 _BLOCK_NAMES = {
     "attn_norm.weight": ("self_attention/norm/scale", "pre_self_attention_layer_norm/scale"),
-    "attention.wq": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[q]", "self_attention/query/kernel"),
-    "attention.wk": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[k]", "self_attention/key/kernel"),
-    "attention.wv": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[v]", "self_attention/value/kernel"),
-    "attention.wo": ("self_attention/attention/o_proj/weight", "self_attention/out/kernel"),
+    "attention.q.weight": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[q]", "self_attention/query/kernel"),
+    "attention.k.weight": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[k]", "self_attention/key/kernel"),
+    "attention.v.weight": ("self_attention/attention/i_proj/i_proj/qkv_proj/weight[v]", "self_attention/value/kernel"),
+    "attention.o.weight": ("self_attention/attention/o_proj/weight", "self_attention/out/kernel"),
     "attention.q_norm.weight": ("self_attention/attention/scale_query/norm/scale", "self_attention/query_norm/scale"),
     "attention.k_norm.weight": ("self_attention/attention/scale_key/norm/scale", "self_attention/key_norm/scale"),
     "pre_norm.weight": ("feed_forward/prenorm/scale", "post_self_attention_layer_norm/scale"),
     "post_norm.weight": ("feed_forward/postnorm/scale", "post_ffw_norm/scale"),
-    "ffn.w_gate": ("feed_forward/linear1_0/weight", "mlp/wi_0/kernel"),
-    "ffn.w_up": ("feed_forward/linear1_1/weight", "mlp/wi_1/kernel"),
-    "ffn.w_down": ("feed_forward/linear2/weight", "mlp/wo/kernel"),
-    "ffn.router.weight": ("feed_forward/gate_weight", "MoeBlock_0/gate/kernel"),
-    "ffn.experts.w_gate": ("feed_forward/wi_0_weight", "MoeBlock_0/wi_0"),
-    "ffn.experts.w_up": ("feed_forward/wi_1_weight", "MoeBlock_0/wi_1"),
-    "ffn.experts.w_down": ("feed_forward/wo_weight", "MoeBlock_0/wo"),
+    "ffn.gate.weight": ("feed_forward/linear1_0/weight", "mlp/wi_0/kernel"),
+    "ffn.up.weight": ("feed_forward/linear1_1/weight", "mlp/wi_1/kernel"),
+    "ffn.down.weight": ("feed_forward/linear2/weight", "mlp/wo/kernel"),
+    "ffn.router.gate.weight": ("feed_forward/gate_weight", "MoeBlock_0/gate/kernel"),
+    "ffn.experts.gate.weight": ("feed_forward/wi_0_weight", "MoeBlock_0/wi_0"),
+    "ffn.experts.up.weight": ("feed_forward/wi_1_weight", "MoeBlock_0/wi_1"),
+    "ffn.experts.down.weight": ("feed_forward/wo_weight", "MoeBlock_0/wo"),
 }
 
 
@@ -146,7 +145,7 @@ def reference_name(path: str, shape: tuple[int, ...]) -> ReferenceName:
     axlearn, maxtext = _BLOCK_NAMES[leaf]
     repeats, *rest = shape
     axlearn_shape = shape
-    if leaf == "attention.wo":  # (repeats, heads, head_dim, d) -> (repeats, d, heads, head_dim)
+    if leaf == "attention.o.weight":  # (repeats, heads, head_dim, d) -> (repeats, d, heads, head_dim)
         axlearn_shape = (repeats, rest[2], rest[0], rest[1])
     maxtext_shape = (rest[0], repeats, *rest[1:]) if rest else (repeats,)
     if len(rest) == 1:  # scales: (d,) per layer -> (d, layers)

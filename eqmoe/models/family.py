@@ -7,46 +7,20 @@ and knows no family by name. A new family is one file that builds a :class:`Fami
 ``eqmoe/models/__init__.py``.
 """
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from eqmoe.config import AttentionConfig, ModelConfig
+from eqmoe.config import LayerKind, ModelConfig, segments
+from eqmoe.registries import ATTENTION_KINDS
 from eqmoe.registry import Registry
+from eqmoe.tensor_names import TensorName, linear_names  # noqa: F401 (the families' name-map pieces)
 
 
-@dataclass(frozen=True)
-class TensorName:
-    """Where one checkpoint tensor lives in the eqmoe model.
-
-    ``path`` names a leaf of the model (attribute names and tuple indices); ``index`` selects the slice
-    of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
-    torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
-    ``flat`` marks a vector the model holds with more axes (a ``[heads, head_dim]`` bias of a flat
-    ``[heads * head_dim]`` projection).
-    """
-
-    key: str
-    path: tuple[str | int, ...]
-    index: tuple[int, ...]
-    linear_in_dims: int = 0
-    flat: bool = False
-
-    def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""
-        piece = leaf_shape[len(self.index) :]
-        if self.flat:
-            return (math.prod(piece),)
-        if self.linear_in_dims:
-            return (math.prod(piece[self.linear_in_dims :]), math.prod(piece[: self.linear_in_dims]))
-        return piece
-
-
-def layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, str]]:
-    """``(layer, segment, repeat, position in unit, kind)`` for every layer in checkpoint order."""
+def layer_slots(config: ModelConfig) -> Iterator[tuple[int, int, int, int, LayerKind]]:
+    """``(layer, segment, repeat, position in unit, layer kind)`` for every layer in checkpoint order."""
     layer = 0
-    for s, segment in enumerate(config.layers):
+    for s, segment in enumerate(segments(config.layers)):
         for r in range(segment.repeats):
             for u, kind in enumerate(segment.unit):
                 yield layer, s, r, u, kind
@@ -64,36 +38,24 @@ def outer_names(config: ModelConfig) -> list[TensorName]:
     return names
 
 
-def attention_names(prefix: str, block: tuple, repeat: int, attention: AttentionConfig) -> list[TensorName]:
-    """A decoder layer's two norms and attention (``prefix``: ``model.layers.{i}.``): q/k/v/o projections, the
-    QK-norm scales and the projection biases ``attention`` has, in the names transformers' decoders share."""
-    names = [
+def attention_names(prefix: str, block: tuple, repeat: int, config: ModelConfig, kind: LayerKind) -> list[TensorName]:
+    """A decoder layer's two norms and its attention (``prefix``: ``model.layers.{i}.``): the norms in the names
+    transformers' decoders share, the attention's tensors as its kind names them under ``self_attn.``."""
+    attention = ATTENTION_KINDS.get(kind.attention)
+    return [
         TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (repeat,)),
         TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (repeat,)),
-        TensorName(prefix + "self_attn.q_proj.weight", (*block, "attention", "wq"), (repeat,), 1),
-        TensorName(prefix + "self_attn.k_proj.weight", (*block, "attention", "wk"), (repeat,), 1),
-        TensorName(prefix + "self_attn.v_proj.weight", (*block, "attention", "wv"), (repeat,), 1),
-        TensorName(prefix + "self_attn.o_proj.weight", (*block, "attention", "wo"), (repeat,), 2),
+        *attention.checkpoint_names(config, kind, prefix + "self_attn.", (*block, "attention"), (repeat,)),
     ]
-    if attention.qk_norm != "none":
-        for norm in ("q_norm", "k_norm"):
-            names.append(
-                TensorName(prefix + f"self_attn.{norm}.weight", (*block, "attention", norm, "weight"), (repeat,))
-            )
-    biased = {"none": "", "qkv": "qkv", "qkvo": "qkvo"}[attention.bias]
-    for proj in biased:  # q/k/v biases are per head in the model, flat [heads * head_dim] in the checkpoint
-        key = prefix + f"self_attn.{proj}_proj.bias"
-        names.append(TensorName(key, (*block, "attention", f"b{proj}"), (repeat,), flat=proj != "o"))
-    return names
 
 
-SWIGLU_NAMES = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+SWIGLU_NAMES = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
 
 
 def swiglu_names(prefix: str, path: tuple, index: tuple[int, ...]) -> list[TensorName]:
     """The gate/up/down projections of the SwiGLU at ``path`` (a dense FFN, one routed expert with its index,
     a shared expert), under ``prefix`` (``model.layers.{i}.mlp.``) in transformers' names."""
-    return [TensorName(f"{prefix}{hub}.weight", (*path, leaf), index, 1) for hub, leaf in SWIGLU_NAMES]
+    return [TensorName(f"{prefix}{hub}.weight", (*path, leaf, "weight"), index, 1) for hub, leaf in SWIGLU_NAMES]
 
 
 def _no_hf_format(name: str) -> Callable[..., Any]:
@@ -121,6 +83,9 @@ class Family:
     - ``skipped_keys``: regular expressions of tensors the family's published checkpoints hold beyond the
       model transformers builds (GLM-4.5's multi-token-prediction layer); a key that matches one and that the
       config does not expect is skipped when loading instead of refused.
+    - ``field_map``: the family's ``config.json`` as a table (:class:`eqmoe.models.field_map.FieldMap`), from
+      which ``config_from_hf`` and ``config_to_hf`` come when not given, and which says which keys transformers
+      ignores (:meth:`ignored_keys`).
 
     A family without a Hugging Face format (``hf_model_type=None``) leaves the three functions out; they
     then refuse with a ``ValueError`` naming the family.
@@ -134,8 +99,14 @@ class Family:
     checkpoint_names: Callable[[ModelConfig], list[TensorName]] | None = None
     reference_columns: Callable[[str, tuple[int, ...]], dict[str, str]] | None = None
     skipped_keys: tuple[str, ...] = ()
+    field_map: Any = None
 
     def __post_init__(self):
+        if self.field_map is not None:
+            if self.config_from_hf is None:
+                object.__setattr__(self, "config_from_hf", self.field_map.read)
+            if self.config_to_hf is None:
+                object.__setattr__(self, "config_to_hf", self.field_map.write)
         for name in ("config_from_hf", "config_to_hf", "checkpoint_names"):
             if getattr(self, name) is None:
                 if self.hf_model_type is not None:
@@ -144,6 +115,10 @@ class Family:
         for preset, config in self.presets.items():
             if config.family != self.name:
                 raise ValueError(f"preset {preset!r} of family {self.name!r} says family={config.family!r}")
+
+    def ignored_keys(self, hf: dict[str, Any]) -> list[str]:
+        """The keys of a ``config.json`` dictionary transformers ignores for this family (none without a table)."""
+        return [] if self.field_map is None else self.field_map.ignored_keys(hf)
 
 
 FAMILIES: Registry[Family] = Registry("model family")

@@ -1,19 +1,15 @@
-"""Family-independent parts of reading and writing Hugging Face ``config.json`` files.
-
-Every family refuses what eqmoe cannot reproduce exactly, so each carries an allow-list (:class:`FieldList`:
-fields it reads, fields that change nothing eqmoe computes, fields fixed at one value) checked by
-:func:`check_fields`; and every family with RoPE reads ``rope_parameters`` (transformers 5) or the older
-``rope_scaling`` + ``rope_theta`` the same way (:func:`rope_from_hf`, :func:`rope_to_hf`). Errors are one line
-naming the field and the file, so a refused checkpoint says what to change.
+"""The parts of Hugging Face ``config.json`` files several families share, as field-map pieces
+(:mod:`eqmoe.models.field_map`): the RoPE dictionary (``rope_parameters`` of transformers 5, or the older
+``rope_scaling`` + ``rope_theta``, with partial rotation), the dense/MoE layer layout of Qwen-style files, the
+widths every decoder has. Errors are one line naming the key and the file, so a refused checkpoint says what to
+change.
 """
 
-import dataclasses
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from eqmoe.config import ModelConfig, RopeScaling, field_kind
+from eqmoe.config import ModelConfig, RopeScaling
+from eqmoe.models.field_map import Field, Rule, show
 
 # What each rope_type's parameters may hold besides rope_type, rope_theta and partial_rotary_factor:
 # key -> (kind, required, nullable), as transformers reads them. A required key's absence is a KeyError in
@@ -45,142 +41,8 @@ KINDS = {
     "bool": lambda v: isinstance(v, bool),
 }
 
-# Written by PreTrainedConfig for every model type; none changes what eqmoe computes from the weights.
-COMMON_IRRELEVANT_FIELDS = (
-    "architectures",
-    "model_type",
-    "transformers_version",
-    "_name_or_path",
-    "_attn_implementation_autoset",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "initializer_range",
-    "output_router_logits",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "id2label",
-    "label2id",
-    "problem_type",
-)
 
-
-@dataclass(frozen=True)
-class FieldList:
-    """One family's allow-list of ``config.json`` fields.
-
-    ``read``: fields that set the ``ModelConfig``; ``irrelevant``: metadata, token ids and output switches;
-    ``fixed``: fields eqmoe computes only at the value shown (transformers' default); any other field is
-    refused, so a checkpoint whose config asks for something eqmoe does not compute never loads silently wrong.
-    """
-
-    read: tuple[str, ...]
-    irrelevant: tuple[str, ...]
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-
-    def known(self) -> set[str]:
-        return {*self.read, *self.irrelevant, *self.fixed}
-
-
-ANY = None  # in an ``expressible`` map: every value of the field is written to config.json
-
-# Architecture fields every Hugging Face decoder family writes whatever their value (widths, depth, vocabulary,
-# RoPE base and scaling, norm epsilon, the layer layout each family checks itself), and fields that change no
-# computed value: the initialisation, the storage dtype (the export's ``dtype``), the token groups of capacity
-# routing (without capacity, which every family refuses, they change nothing).
-WRITTEN_BY_EVERY_FAMILY = (
-    "vocab_size",
-    "embed_dim",
-    "mlp_dim",
-    "layers",
-    "tie_embeddings",
-    "init",
-    "init_std",
-    "param_dtype",
-    "family",
-    "attention.num_heads",
-    "attention.num_kv_heads",
-    "attention.head_dim",
-    "attention.rope_theta",
-    "attention.rope_scaling",
-    "norm.eps",
-    "moe.expert_dim",
-    "moe.router.num_experts",
-    "moe.router.top_k",
-    "moe.router.num_groups",
-)
-
-
-def _architecture_fields(config: object, prefix: str = "") -> dict[str, tuple[object, dataclasses.Field]]:
-    """``{dotted path: (value, field)}`` of every architecture field of ``config``, nested configs walked into
-    (``rope_scaling`` kept whole: the families write it as one dictionary)."""
-    fields = {}
-    for item in dataclasses.fields(config):
-        if field_kind(config, item.name) != "architecture":
-            continue
-        value, path = getattr(config, item.name), prefix + item.name
-        if dataclasses.is_dataclass(value) and item.name != "rope_scaling":
-            fields.update(_architecture_fields(value, path + "."))
-        else:
-            fields[path] = (value, item)
-    return fields
-
-
-def check_expressible(config: ModelConfig, label: str, expressible: Mapping[str, tuple | None]) -> None:
-    """Refuse, naming the first field, what a family's ``config.json`` cannot express: a field in ``expressible``
-    must hold one of its values (:data:`ANY`: any value), one in :data:`WRITTEN_BY_EVERY_FAMILY` may hold any,
-    and every other architecture field its default, the generic decoder's plain choice. So a field added to the
-    decoder later is refused by every family that has not said how it writes it, never exported silently wrong.
-    """
-    for path, (value, item) in _architecture_fields(config).items():
-        if path in expressible:
-            allowed = expressible[path]
-        elif path in WRITTEN_BY_EVERY_FAMILY:
-            allowed = ANY
-        else:
-            allowed = (item.default,)
-        if allowed is not ANY and value not in allowed:
-            choices = " | ".join(map(repr, allowed))
-            raise ValueError(f"{path}={value!r} has no Hugging Face {label} equivalent; allowed: {choices}")
-
-
-def show(value: object) -> str:
-    """``value`` as config.json writes it (``true``, ``null``, ``"gelu"``)."""
-    return json.dumps(value, default=repr)
-
-
-def require(hf: dict[str, Any], name: str, source: str) -> Any:
-    """``hf[name]``; a one-line error naming the field and ``source`` when it is missing."""
-    if name not in hf:
-        raise ValueError(f"{source}: missing field {name!r}")
-    return hf[name]
-
-
-def check_fields(hf: dict[str, Any], source: str, fields: FieldList) -> None:
-    """Refuse, naming the field and ``source``, any field outside ``fields`` and any fixed field whose value
-    eqmoe does not compute (``use_sliding_window: true``, ``attention_bias: true``, dropout, ...)."""
-    known = fields.known()
-    for name in hf:
-        if name not in known:
-            raise ValueError(f"{source}: unknown field {name!r} (not one eqmoe reproduces or knows to be irrelevant)")
-    for name, allowed in fields.fixed.items():
-        value = hf.get(name, allowed)
-        if value != allowed or isinstance(value, bool) != isinstance(allowed, bool):
-            raise ValueError(f"{source}: {name}={show(value)} is not supported; allowed: {show(allowed)}")
-
-
-def positive_integers(values: Mapping[str, Any], source: str) -> None:
-    """Refuse, naming the field, any value that is not a positive integer (booleans included)."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{source}: {name}={value!r} is invalid; allowed: a positive integer")
-
-
-def _rope_dict(hf: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+def _rope_dict(hf: Mapping[str, Any], source: str) -> tuple[str, dict[str, Any]]:
     """The field holding the RoPE parameters and its dictionary: ``rope_scaling`` wins over ``rope_parameters``
     when both are set, as in transformers' ``convert_rope_params_to_dict``."""
     name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
@@ -207,16 +69,17 @@ def _rope_value(params: dict[str, Any], key: str, spec: tuple[str, bool, bool], 
 
 
 def rope_from_hf(
-    hf: dict[str, Any], source: str, default_max_positions: int, partial_rotary: bool = False
+    hf: Mapping[str, Any], source: str, default_max_positions: int, partial_rotary: bool = False
 ) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from a Hugging Face config: ``rope_parameters`` (transformers 5), or the
     older ``rope_scaling`` (``type`` or ``rope_type``) with a top-level ``rope_theta``.
 
     As transformers reads them: ``rope_theta`` inside the dictionary wins, then the top-level one, then
     10000; ``yarn`` and ``llama3`` without ``original_max_position_embeddings`` use ``max_position_embeddings``
-    (the family config's default, ``default_max_positions``, when absent). A key the rope type does not read,
-    or a type eqmoe does not compute, is refused; so is a ``partial_rotary_factor`` other than 1 unless the
-    family rotates part of each head (``partial_rotary``: its reader calls :func:`rotary_dim_from_hf`).
+    (the family config's default, ``default_max_positions``, when absent). A type eqmoe does not compute is
+    refused; so is a ``partial_rotary_factor`` other than 1 unless the family rotates part of each head
+    (``partial_rotary``: its reader calls :func:`rotary_dim_from_hf`). A key the rope type does not read is
+    ignored, as transformers ignores it (:func:`ignored_rope_keys` lists them).
     """
     name, params = _rope_dict(hf, source)
     where = f"{source}: {name}"
@@ -226,11 +89,6 @@ def rope_from_hf(
         raise ValueError(f"{where}: rope_type {rope_type!r} is not supported; allowed: {allowed}")
     params = {**params, "rope_type": rope_type}
     keys = ROPE_KEYS[rope_type]
-    for key in params:
-        if key not in (*keys, "rope_type", "type", "rope_theta", "partial_rotary_factor"):
-            raise ValueError(
-                f"{where}.{key} is not read by rope_type {rope_type!r} (transformers ignores it); remove it"
-            )
     rotary = params.get("partial_rotary_factor", 1.0)
     if not partial_rotary and (not KINDS["number"](rotary) or rotary != 1.0):
         raise ValueError(f"{where}.partial_rotary_factor={show(rotary)} is not supported; allowed: 1.0")
@@ -249,7 +107,21 @@ def rope_from_hf(
         raise ValueError(f"{source}: {str(error).replace('RopeScaling.', f'{name}.')}") from None
 
 
-def rotary_dim_from_hf(hf: dict[str, Any], source: str, head_dim: int, default_factor: float = 1.0) -> int | None:
+def ignored_rope_keys(hf: Mapping[str, Any]) -> list[str]:
+    """The keys of the RoPE dictionary its ``rope_type`` does not read (``rope_parameters.beta_fast`` of a
+    ``linear`` one): transformers ignores them, and so does eqmoe."""
+    try:
+        name, params = _rope_dict(hf, "")
+    except ValueError:
+        return []
+    keys = ROPE_KEYS.get(params.get("rope_type", params.get("type", "default")))
+    if keys is None:
+        return []
+    read = (*keys, "rope_type", "type", "rope_theta", "partial_rotary_factor")
+    return [f"{name}.{key}" for key in params if key not in read]
+
+
+def rotary_dim_from_hf(hf: Mapping[str, Any], source: str, head_dim: int, default_factor: float = 1.0) -> int | None:
     """The rotated dimensions of each head, ``int(head_dim * partial_rotary_factor)`` as transformers computes
     them (``None`` when the whole head rotates). The factor is read from the RoPE dictionary, else the top level
     (older configs), else ``default_factor`` (the family config's default)."""
@@ -280,3 +152,171 @@ def rope_to_hf(theta: float, scaling: RopeScaling | None, partial_rotary_factor:
             if value is not None or key == "factor":
                 params[key] = value
     return params
+
+
+def _partial_rotary_factor(head_dim: int, rotary_dim: int | None, label: str) -> float:
+    """The factor transformers turns back into ``rotary_dim`` (``int(head_dim * factor)``)."""
+    if rotary_dim is None:
+        return 1.0
+    factor = rotary_dim / head_dim
+    if int(head_dim * factor) != rotary_dim:  # float rounding: e.g. int(44 * (30 / 44)) == 29
+        raise ValueError(
+            f"attention.rotary_dim={rotary_dim} has no Hugging Face {label} equivalent with head_dim={head_dim} "
+            f"(int(head_dim * {factor!r}) is {int(head_dim * factor)}); allowed: a width the factor reproduces"
+        )
+    return factor
+
+
+def head_dim_of(hf: Mapping[str, Any]) -> Any:
+    """``head_dim`` as transformers' attention reads it: the key, else ``hidden_size // num_attention_heads``."""
+    if hf.get("head_dim") is not None:
+        return hf["head_dim"]
+    hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads))
+    return hidden // heads if valid else None
+
+
+def rope_rule(default_max_positions: int, label: str, partial_default: float | None = None) -> Rule:
+    """``rope_parameters`` / ``rope_scaling`` / ``rope_theta`` / ``max_position_embeddings`` (and the top-level
+    ``partial_rotary_factor``) <-> ``attention.rope_theta`` and ``attention.rope_scaling`` (:func:`rope_from_hf`,
+    :func:`rope_to_hf`). With ``partial_default`` the family rotates part of each head (``attention.rotary_dim``,
+    that factor when the file names none); without, any factor but 1 is refused."""
+    partial = partial_default is not None
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        theta, scaling = rope_from_hf(hf, source, default_max_positions, partial_rotary=partial)
+        values = {"attention.rope_theta": theta, "attention.rope_scaling": scaling}
+        if partial:
+            head_dim = head_dim_of(hf)
+            if head_dim is not None:
+                values["attention.rotary_dim"] = rotary_dim_from_hf(hf, source, head_dim, partial_default)
+        elif hf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"{source}: partial_rotary_factor={show(hf['partial_rotary_factor'])} is not supported; allowed: 1.0"
+            )
+        return values
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        attention = config.attention
+        factor = _partial_rotary_factor(attention.head_dim, attention.rotary_dim, label) if partial else None
+        max_positions = attention.rope_scaling.max_position_embeddings if attention.rope_scaling else None
+        return {
+            "rope_parameters": rope_to_hf(attention.rope_theta, attention.rope_scaling, partial_rotary_factor=factor),
+            "max_position_embeddings": max_positions or default_max_positions,
+        }
+
+    paths = ("attention.rope_theta", "attention.rope_scaling", *(("attention.rotary_dim",) if partial else ()))
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "partial_rotary_factor")
+    return Rule(keys, paths, read, write, ignored=ignored_rope_keys)
+
+
+def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
+    """HF Qwen3MoeDecoderLayer: layer ``i`` is MoE iff ``i not in mlp_only_layers and num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0``; otherwise a dense SwiGLU of width ``intermediate_size``."""
+    return [
+        "moe" if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0 else "dense"
+        for i in range(num_layers)
+    ]
+
+
+def _sparse_layout(kinds: tuple[str, ...]) -> tuple[int, list[int]]:
+    """``(decoder_sparse_step, mlp_only_layers)`` that give ``kinds`` under transformers' rule, with the
+    shortest ``mlp_only_layers`` (then the smallest step): a file written by transformers with
+    ``decoder_sparse_step=2`` and no ``mlp_only_layers`` comes back as it was."""
+    layouts = []
+    for step in range(1, len(kinds) + 1):
+        if all((i + 1) % step == 0 for i, kind in enumerate(kinds) if kind == "moe"):
+            dense = [i for i, kind in enumerate(kinds) if kind == "dense" and (i + 1) % step == 0]
+            layouts.append((len(dense), step, dense))
+    _, step, dense = min(layouts)
+    return step, dense
+
+
+def _integer(hf: Mapping[str, Any], key: str, default: Any, source: str, minimum: int = 1) -> int:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{source}: {key}={show(value)} is invalid; allowed: {allowed}")
+    return value
+
+
+def sparse_layout_rule(experts_of: Callable[[Mapping[str, Any]], Any], label: str) -> Rule:
+    """Qwen-style files: ``num_hidden_layers``, ``decoder_sparse_step`` and ``mlp_only_layers`` (and the expert
+    count ``experts_of(hf)``) <-> ``layers`` (:func:`layer_kinds_from_hf`); a dense layer needs
+    ``intermediate_size``."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if "num_hidden_layers" not in hf:
+            raise ValueError(f"{source}: missing field 'num_hidden_layers'")
+        layers = _integer(hf, "num_hidden_layers", None, source)
+        step = _integer(hf, "decoder_sparse_step", 1, source)
+        mlp_only = hf.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+            raise ValueError(f"{source}: mlp_only_layers={show(mlp_only)} is invalid; allowed: a list of layer indices")
+        experts = experts_of(hf)
+        kinds = layer_kinds_from_hf(layers, experts if isinstance(experts, int) else 1, step, mlp_only)
+        if "moe" not in kinds:
+            raise ValueError(
+                f"{source}: mlp_only_layers={show(mlp_only)} with decoder_sparse_step={step} leaves no MoE layer; "
+                "allowed: at least one MoE layer"
+            )
+        if "dense" in kinds and hf.get("intermediate_size") is None:
+            raise ValueError(f"{source}: missing field 'intermediate_size' (the dense layers' width)")
+        return {"layers": tuple(kinds)}
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        kinds = config.ffn_kinds()
+        if set(kinds) - {"dense", "moe"} or any(layer != type(layer)(ffn=layer.ffn) for layer in config.layers):
+            raise ValueError(f"layers={kinds!r} has no Hugging Face {label} equivalent; allowed: dense | moe layers")
+        step, mlp_only = _sparse_layout(kinds)
+        return {"num_hidden_layers": len(kinds), "decoder_sparse_step": step, "mlp_only_layers": mlp_only}
+
+    return Rule(("num_hidden_layers", "decoder_sparse_step", "mlp_only_layers"), ("layers",), read, write)
+
+
+def all_moe_rule(label: str) -> Rule:
+    """Files whose every layer is MoE (Mixtral, OLMoE): ``num_hidden_layers`` <-> ``layers``."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if "num_hidden_layers" not in hf:
+            raise ValueError(f"{source}: missing field 'num_hidden_layers'")
+        return {"layers": ("moe",) * _integer(hf, "num_hidden_layers", None, source)}
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        if any(layer != type(layer)(ffn="moe") for layer in config.layers):
+            raise ValueError(f"layers='dense layers' has no Hugging Face {label} equivalent; allowed: 'moe'")
+        return {"num_hidden_layers": config.num_layers}
+
+    return Rule(("num_hidden_layers",), ("layers",), read, write)
+
+
+def _head_dim_differs(config: ModelConfig) -> bool:
+    return config.attention.head_dim != config.embed_dim // config.attention.num_heads
+
+
+def decoder_fields(
+    *, kv_default: Any = None, head_dim: bool = True, eps: float = 1e-6, tie: bool = True
+) -> tuple[Field, ...]:
+    """The widths every decoder file has, required so that a truncated file is never read as the family's default
+    model: ``vocab_size``, ``hidden_size``, ``num_attention_heads``; ``num_key_value_heads`` (default
+    ``kv_default``, or the head count), ``head_dim`` (default ``hidden_size // num_attention_heads``; with
+    ``head_dim=False`` written only when it differs from that), ``rms_norm_eps`` and ``tie_word_embeddings``."""
+    kv = kv_default if kv_default is not None else (lambda hf: hf.get("num_attention_heads"))
+    fields = [
+        Field("vocab_size", "vocab_size", kind="positive"),
+        Field("hidden_size", "embed_dim", kind="positive"),
+        Field("num_attention_heads", "attention.num_heads", kind="positive"),
+        Field("num_key_value_heads", "attention.num_kv_heads", kv, kind="positive", nullable=True),
+        Field(
+            "head_dim",
+            "attention.head_dim",
+            head_dim_of,
+            kind="positive",
+            nullable=True,
+            written=True if head_dim else _head_dim_differs,
+        ),
+        Field("rms_norm_eps", "norm.eps", eps, kind="positive_number", read=float),
+    ]
+    if tie:
+        fields.append(Field("tie_word_embeddings", "tie_embeddings", False, kind="bool"))
+    return tuple(fields)

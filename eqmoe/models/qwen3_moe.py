@@ -11,9 +11,7 @@ from eqmoe.config import (
     NormConfig,
     RopeScaling,
     RouterConfig,
-    segments_from_kinds,
 )
-from eqmoe.models import hf_config
 from eqmoe.models.family import (
     Family,
     TensorName,
@@ -23,7 +21,8 @@ from eqmoe.models.family import (
     register,
     swiglu_names,
 )
-from eqmoe.models.hf_config import COMMON_IRRELEVANT_FIELDS, FieldList, positive_integers, require, rope_to_hf
+from eqmoe.models.field_map import Field, FieldMap, Fixed, Known
+from eqmoe.models.hf_config import decoder_fields, rope_rule, sparse_layout_rule
 
 NAME = "qwen3_moe"
 
@@ -55,7 +54,7 @@ def _qwen3_moe(
         attention=AttentionConfig(
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta, rope_scaling=rope_scaling
         ),
-        layers=segments_from_kinds(kinds or ["moe"] * layers),
+        layers=tuple(kinds or ["moe"] * layers),
         mlp_dim=mlp_dim,
         moe=MoEConfig(
             router=RouterConfig(num_experts=experts, top_k=top_k, renormalize=renormalize),
@@ -129,132 +128,50 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-# --- Hugging Face config.json -------------------------------------------------------------------
+# --- Hugging Face config.json: transformers' Qwen3MoeConfig ----------------------------------------------
 
-# Every field a Qwen3-MoE config.json may hold (transformers' Qwen3MoeConfig and the PreTrainedConfig fields
-# its save_pretrained writes, plus the older names of both); any other field is refused (hf_config.check_fields).
-READ_FIELDS = (  # reproduced: they set the ModelConfig
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_experts",
-    "num_local_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "router_aux_loss_coef",
-    "rope_parameters",
-    "rope_scaling",
-    "rope_theta",
-    "max_position_embeddings",
+_DEFAULT_MAX_POSITIONS = 32768  # Qwen3MoeConfig.max_position_embeddings
+
+
+def _experts(hf) -> object:
+    return hf.get("num_experts", hf.get("num_local_experts", 128))
+
+
+FIELD_MAP = FieldMap(
+    model_type=NAME,
+    architecture="Qwen3MoeForCausalLM",
+    label="Qwen3-MoE",
+    template=PRESETS["qwen3-moe-micro"],
+    entries=(
+        *decoder_fields(),
+        Field("intermediate_size", "mlp_dim", None, kind="positive"),
+        Field("moe_intermediate_size", "moe.expert_dim", kind="positive"),
+        # required, as the widths are: a truncated file is never read as Qwen3MoeConfig's 128 experts
+        Field("num_experts", "moe.router.num_experts", kind="positive", aliases=("num_local_experts",)),
+        Field("num_experts_per_tok", "moe.router.top_k", kind="positive"),
+        Field("norm_topk_prob", "moe.router.renormalize", False, kind="bool"),
+        Field("router_aux_loss_coef", "loss.load_balance_weight", 0.001, kind="number", read=float),
+        sparse_layout_rule(_experts, "Qwen3-MoE"),
+        rope_rule(_DEFAULT_MAX_POSITIONS, "Qwen3-MoE"),
+        Fixed("hidden_act", "silu"),
+        Fixed("attention_bias", False),
+        Fixed("use_sliding_window", False),
+        Fixed("attention_dropout", 0.0),
+        # read by transformers only with use_sliding_window (it sets them to None otherwise)
+        Known(("sliding_window", "max_window_layers")),
+    ),
 )
-IRRELEVANT_FIELDS = (  # change nothing eqmoe computes from the weights: metadata, token ids, output switches
-    *COMMON_IRRELEVANT_FIELDS,
-    "sliding_window",  # read only with use_sliding_window (transformers sets it to None otherwise)
-    "max_window_layers",  # likewise
-)
-FIXED_FIELDS = {  # eqmoe computes these only at the value shown (transformers' default)
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "use_sliding_window": False,
-    "attention_dropout": 0.0,
-    "partial_rotary_factor": 1.0,
-    "chunk_size_feed_forward": 0,
-    "is_encoder_decoder": False,
-}
-FIELDS = FieldList(READ_FIELDS, IRRELEVANT_FIELDS, FIXED_FIELDS)
-_HF_DEFAULT_MAX_POSITIONS = 32768  # Qwen3MoeConfig.max_position_embeddings
-
-
-def check_fields(hf: dict[str, Any], source: str) -> None:
-    """Refuse, naming the field and ``source``, any field outside the Qwen3-MoE allow-list and any fixed field
-    whose value eqmoe does not compute (:func:`eqmoe.models.hf_config.check_fields`)."""
-    hf_config.check_fields(hf, source, FIELDS)
-
-
-def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` as transformers' Qwen3-MoE reads them (:func:`hf_config.rope_from_hf`)."""
-    return hf_config.rope_from_hf(hf, source, _HF_DEFAULT_MAX_POSITIONS)
-
-
-def layer_kinds_from_hf(num_layers: int, num_experts: int, sparse_step: int, mlp_only: list[int]) -> list[str]:
-    """HF Qwen3MoeDecoderLayer: layer ``i`` is MoE iff ``i not in mlp_only_layers and num_experts > 0 and
-    (i + 1) % decoder_sparse_step == 0``; otherwise a dense SwiGLU of width ``intermediate_size``."""
-    return [
-        "moe" if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0 else "dense"
-        for i in range(num_layers)
-    ]
 
 
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Build a :class:`ModelConfig` from a Hugging Face Qwen3-MoE ``config.json`` dictionary.
+    """A :class:`ModelConfig` from a Hugging Face Qwen3-MoE ``config.json`` dictionary (:data:`FIELD_MAP`)."""
+    return FIELD_MAP.read(hf, source)
 
-    Accepts ``num_experts`` or ``num_local_experts`` and ``rope_parameters`` or ``rope_scaling`` +
-    ``rope_theta`` (:func:`rope_from_hf`); refuses every field outside the allow-list (:func:`check_fields`)
-    and options eqmoe does not implement (sliding windows, attention biases, non-SiLU activations).
-    """
-    model_type = hf.get("model_type")
-    if model_type != NAME:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {NAME!r}")
-    check_fields(hf, source)
-    req = {
-        name: require(hf, name, source)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "moe_intermediate_size",
-            "num_experts_per_tok",
-        )
-    }
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if experts is None:
-        raise ValueError(f"{source}: missing field 'num_experts' (or 'num_local_experts')")
-    optional = {
-        name: hf[name] for name in ("num_key_value_heads", "head_dim", "intermediate_size") if hf.get(name) is not None
-    }
-    integers = {**req, **optional, "num_experts": experts, "decoder_sparse_step": hf.get("decoder_sparse_step", 1)}
-    if hf.get("max_position_embeddings") is not None:
-        integers["max_position_embeddings"] = hf["max_position_embeddings"]
-    positive_integers(integers, source)
-    mlp_only = hf.get("mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
-        raise ValueError(f"{source}: mlp_only_layers={mlp_only!r} is invalid; allowed: a list of layer indices")
-    kinds = layer_kinds_from_hf(req["num_hidden_layers"], experts, integers["decoder_sparse_step"], mlp_only)
-    if "dense" in kinds:
-        require(hf, "intermediate_size", source)
-    theta, scaling = rope_from_hf(hf, source)
-    try:
-        return _qwen3_moe(
-            vocab=req["vocab_size"],
-            embed=req["hidden_size"],
-            layers=req["num_hidden_layers"],
-            heads=req["num_attention_heads"],
-            kv_heads=optional.get("num_key_value_heads", req["num_attention_heads"]),
-            head_dim=optional.get("head_dim", req["hidden_size"] // req["num_attention_heads"]),
-            experts=experts,
-            top_k=req["num_experts_per_tok"],
-            expert_dim=req["moe_intermediate_size"],
-            mlp_dim=optional.get("intermediate_size"),
-            theta=theta,
-            rope_scaling=scaling,
-            kinds=kinds,
-            tie=bool(hf.get("tie_word_embeddings", False)),
-            renormalize=bool(hf.get("norm_topk_prob", False)),
-            eps=float(hf.get("rms_norm_eps", 1e-6)),
-            aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-        )
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{source}: {error}") from None
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dictionary for ``config``; a ``ValueError`` names the first field
+    that transformers' Qwen3-MoE cannot express (:data:`FIELD_MAP`)."""
+    return FIELD_MAP.write(config)
 
 
 # --- Checkpoint name map ---------------------------------------------------------------------------
@@ -267,52 +184,14 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     for layer, s, r, u, kind in layer_slots(config):
         block = ("segments", s, "blocks", u)
         prefix = f"model.layers.{layer}."
-        names += attention_names(prefix, block, r, config.attention)
-        if kind == "dense":
+        names += attention_names(prefix, block, r, config, kind)
+        if kind.ffn == "dense":
             names += swiglu_names(prefix + "mlp.", (*block, "ffn"), (r,))
             continue
-        names.append(TensorName(prefix + "mlp.gate.weight", (*block, "ffn", "router", "weight"), (r,), 1))
+        names.append(TensorName(prefix + "mlp.gate.weight", (*block, "ffn", "router", "gate", "weight"), (r,), 1))
         for j in range(num_experts):
             names += swiglu_names(prefix + f"mlp.experts.{j}.", (*block, "ffn", "experts"), (r, j))
     return names
-
-
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` dictionary for ``config``; a ``ValueError`` names the first field
-    that transformers' Qwen3-MoE cannot express."""
-    moe = config.moe
-    hf_config.check_expressible(config, "Qwen3-MoE", {"moe.router.renormalize": hf_config.ANY})
-    if moe is None:
-        raise ValueError("moe=None has no Hugging Face Qwen3-MoE equivalent; a MoEConfig is needed")
-    kinds = config.layer_kinds()
-    attention = config.attention
-    max_positions = attention.rope_scaling.max_position_embeddings if attention.rope_scaling else None
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim,
-        "intermediate_size": config.mlp_dim or moe.expert_dim,
-        "moe_intermediate_size": moe.expert_dim,
-        "num_hidden_layers": len(kinds),
-        "num_attention_heads": attention.num_heads,
-        "num_key_value_heads": attention.num_kv_heads,
-        "head_dim": attention.head_dim,
-        "num_experts": moe.router.num_experts,
-        "num_experts_per_tok": moe.router.top_k,
-        "norm_topk_prob": moe.router.renormalize,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
-        "rms_norm_eps": config.norm.eps,
-        "rope_parameters": rope_to_hf(attention.rope_theta, attention.rope_scaling),
-        "tie_word_embeddings": config.tie_embeddings,
-        "router_aux_loss_coef": config.loss.load_balance_weight,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "max_position_embeddings": max_positions or _HF_DEFAULT_MAX_POSITIONS,
-        "dtype": config.param_dtype,
-    }
 
 
 FAMILY = register(
@@ -322,6 +201,7 @@ FAMILY = register(
         hf_model_type=NAME,
         config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
+        field_map=FIELD_MAP,
         checkpoint_names=checkpoint_names,
     )
 )

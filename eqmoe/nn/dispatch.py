@@ -2,15 +2,15 @@
 
 Every backend computes ``y_t = sum_j weights[t, j] * expert_{experts[t, j]}(x_t)`` (a dropped
 assignment has weight 0) and differs only in how the work is laid out. ``dense`` is the reference;
-the others must agree with it. Signature: ``backend(x, routing, experts, config) -> y``.
+the others must agree with it. Signature: ``backend(x, routing, experts, config) -> y``, ``experts`` a
+:class:`eqmoe.nn.experts.RoutedExperts` whose products the backend calls in its own layout (one matrix per
+expert, rows grouped by expert, per-expert buffers); biases and LoRA adapters ride inside those products, as
+rank-``r`` terms beside ``x @ W_e`` (a merged ``W_e + scale * A_e @ B_e`` would be a full copy of the expert
+weights per step, and its gradient a full ``[experts, embed, expert_mlp]`` array).
 
-With LoRA (``Experts.lora``) every backend adds each adapted matrix's ``scale * (x @ A_e) @ B_e`` beside
-``x @ W_e``, as rank-``r`` products in its own layout: a merged ``W_e + scale * A_e @ B_e`` would be a
-full copy of the expert weights per step, and its gradient a full ``[experts, embed, expert_mlp]`` array.
-
-Every backend is registered in :data:`BACKENDS` as a :class:`Backend`: the function, the planner's
-activation estimate (:mod:`eqmoe.analysis.plan` reads it, so a new backend is planned by its own formula,
-never another's) and an optional config check. ``MoEConfig.dispatch`` accepts the registered names and
+Every backend is registered in :data:`eqmoe.registries.DISPATCH_BACKENDS` as a :class:`Backend`: the function,
+the planner's activation estimate (:mod:`eqmoe.analysis.plan` reads it, so a new backend is planned by its own
+formula, never another's) and an optional config check. ``MoEConfig.dispatch`` accepts the registered names and
 ``"auto"``, a resolution rule (:func:`backend_name`).
 """
 
@@ -19,92 +19,22 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int
 
 from eqmoe.config import MoEConfig
-from eqmoe.nn._init import Init
-from eqmoe.nn._params import Layer, Role, param
-from eqmoe.nn.grouped import fuse_adapters, grouped_swiglu
-from eqmoe.nn.lora import ExpertAdapters
-from eqmoe.nn.mlp import silu
+from eqmoe.nn.experts import RoutedExperts
+from eqmoe.nn.grouped import grouped_experts
 from eqmoe.nn.router import Routing, expert_capacity
-from eqmoe.registry import Registry
-
-
-class Experts(Layer):
-    """``num_experts`` SwiGLU experts stored as stacked weights, with optional per-expert LoRA."""
-
-    w_gate: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
-    w_up: Float[Array, "experts embed expert_mlp"] = param(Role.EXPERT)
-    w_down: Float[Array, "experts expert_mlp embed"] = param(Role.EXPERT)
-    lora: ExpertAdapters | None
-
-    def __init__(
-        self,
-        num_experts: int,
-        embed_dim: int,
-        expert_dim: int,
-        *,
-        init: Init,
-        key: PRNGKeyArray,
-        lora: ExpertAdapters | None = None,
-    ):
-        k_gate, k_up, k_down = jax.random.split(key, 3)
-        self.w_gate = init.weight(k_gate, (num_experts, embed_dim, expert_dim), fan_in=embed_dim)
-        self.w_up = init.weight(k_up, (num_experts, embed_dim, expert_dim), fan_in=embed_dim)
-        self.w_down = init.weight(k_down, (num_experts, expert_dim, embed_dim), fan_in=expert_dim)
-        self.lora = lora
-
-
-def _factors(lora: ExpertAdapters | None, name: str) -> tuple[Array, Array] | None:
-    """The ``(A, B)`` adapter of matrix ``name`` (``gate``, ``up`` or ``down``), ``None`` if not adapted."""
-    a = None if lora is None else getattr(lora, f"{name}_a")
-    return None if a is None else (a, getattr(lora, f"{name}_b"))
-
-
-def expert_einsum(spec: str, x: Array, weight: Array, lora: ExpertAdapters | None, name: str) -> Array:
-    """``einsum(spec, x, weight)`` plus matrix ``name``'s adapter term ``scale * (x @ A_e) @ B_e``.
-
-    ``spec`` is the weight product, its weight operand lettered ``expert, input, output``
-    (``"td,edf->etf"``); the adapter runs it with the output letter replaced by a rank ``r``, then
-    contracts ``r`` with ``B``."""
-    out = jnp.einsum(spec, x, weight)
-    factors = _factors(lora, name)
-    if factors is None:
-        return out
-    operands, result = spec.split("->")
-    x_letters, (e, i, o) = operands.split(",")
-    rank_result = result.replace(o, "r")
-    x_a = jnp.einsum(f"{x_letters},{e}{i}r->{rank_result}", x, factors[0])
-    return out + jnp.einsum(f"{rank_result},{e}r{o}->{result}", x_a, factors[1]) * lora.scale
-
-
-def ragged_matmul(
-    x: Float[Array, "rows fan_in"],
-    weight: Float[Array, "experts fan_in fan_out"],
-    group_sizes: Int[Array, " experts"],
-    lora: ExpertAdapters | None,
-    name: str,
-) -> Float[Array, "rows fan_out"]:
-    """``ragged_dot(x, weight)`` plus matrix ``name``'s adapter term, two ragged products over the same
-    groups: ``x @ A_e`` (rank ``r``), then ``@ B_e``."""
-    out = jax.lax.ragged_dot(x, weight, group_sizes)
-    factors = _factors(lora, name)
-    if factors is None:
-        return out
-    x_a = jax.lax.ragged_dot(x, factors[0], group_sizes)
-    return out + jax.lax.ragged_dot(x_a, factors[1], group_sizes) * lora.scale
+from eqmoe.registries import DISPATCH_BACKENDS
 
 
 def dense(
-    x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
+    x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Every expert on every token, then a weighted sum: O(T * E) work, the numerical reference."""
-    tokens, num_experts, lora = x.shape[0], params.w_gate.shape[0], params.lora
-    gate = expert_einsum("td,edf->etf", x, params.w_gate, lora, "gate")
-    hidden = silu(gate) * expert_einsum("td,edf->etf", x, params.w_up, lora, "up")
-    outputs = expert_einsum("etf,efd->etd", hidden, params.w_down, lora, "down")
-    combine = jnp.zeros((tokens, num_experts), routing.weights.dtype)
+    tokens = x.shape[0]
+    outputs = experts.apply(x, lambda w, rows: w.shared_input(rows), lambda w, hidden: w.per_expert(hidden))
+    combine = jnp.zeros((tokens, experts.num_experts), routing.weights.dtype)
     combine = combine.at[jnp.arange(tokens)[:, None], routing.experts].add(routing.weights)
     return jnp.einsum("te,etd->td", combine, outputs)
 
@@ -189,47 +119,49 @@ _slots_of.defvjp(_slots_fwd, _slots_bwd)
 
 
 def sorted_blocks(
-    x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
+    x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Dropless grouped compute: gather the ``T*k`` token slots into expert-sorted groups padded to
-    ``block_size`` rows (:func:`block_layout`), run each group with its expert's weights
-    (:func:`eqmoe.nn.grouped.grouped_swiglu`), and gather each token's ``k`` outputs back.
+    ``block_size`` rows (:func:`block_layout`), run each group with its expert
+    (:func:`eqmoe.nn.grouped.grouped_experts`), and gather each token's ``k`` outputs back.
 
     Memory is linear in ``T``: the largest intermediates are ``[rows, embed]`` and ``[rows, 2 * expert_dim]``.
     """
-    layout = block_layout(routing.experts, params.w_gate.shape[0], config.block_size)
+    layout = block_layout(routing.experts, experts.num_experts, config.block_size)
     rows = _slot_rows_of(x, layout)
     tile = config.block_size
     wide = tile
     while wide * 2 <= min(_WIDE_TILE_ROWS, rows.shape[0]):
         wide *= 2
-    adapters = None if params.lora is None else fuse_adapters(params.lora)
-    out = grouped_swiglu(
-        rows, params.w_gate, params.w_up, params.w_down, layout.group_start, layout.group_rows, tile, wide, adapters
-    )
+    out = grouped_experts(rows, experts, layout.group_start, layout.group_rows, tile, wide)
     return jnp.einsum("tk,tkd->td", routing.weights, _slots_of(out, layout)).astype(x.dtype)
 
 
+def sorted_by_expert(experts: Int[Array, "tokens top_k"], num_experts: int) -> tuple[Array, Array, Array]:
+    """``(order, group_sizes, sorted_position)``: the slots ``t * top_k + j`` sorted by expert (stable), how many
+    each expert has, and where each slot landed."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sorted_position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    return order, group_sizes, sorted_position
+
+
 def ragged(
-    x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
+    x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Dropless grouped compute with ``jax.lax.ragged_dot``: the ``T*k`` slots sorted by expert with no
     padding, one ragged matmul per weight. The kernel XLA provides on GPU and TPU (slow on XLA:CPU)."""
     tokens, top_k = routing.experts.shape
-    flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=params.w_gate.shape[0]).astype(jnp.int32)
-    slots, lora = x[order // top_k], params.lora
-    hidden = silu(ragged_matmul(slots, params.w_gate, group_sizes, lora, "gate"))
-    hidden = hidden * ragged_matmul(slots, params.w_up, group_sizes, lora, "up")
-    out = ragged_matmul(hidden, params.w_down, group_sizes, lora, "down")
-    sorted_position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    order, group_sizes, sorted_position = sorted_by_expert(routing.experts, experts.num_experts)
+    product = lambda w, rows: w.ragged(rows, group_sizes)  # noqa: E731
+    out = experts.apply(x[order // top_k], product, product)
     slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
     return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
 
 
 def capacity(
-    x: Float[Array, "tokens embed"], routing: Routing, params: Experts, config: MoEConfig
+    x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """GShard dispatch: one-hot ``[groups, S, E, C]`` dispatch and combine tensors move tokens into
     per-expert buffers of ``C`` slots and back (AXLearn's MoE layer). Needs a capacity factor."""
@@ -246,10 +178,9 @@ def capacity(
     combine = combine.reshape(groups, size, num_experts, slots)
 
     buffers = jnp.einsum("gsec,gsd->egcd", dispatch_mask, x.reshape(groups, size, -1))
-    lora = params.lora
-    hidden = silu(expert_einsum("egcd,edf->egcf", buffers, params.w_gate, lora, "gate"))
-    hidden = hidden * expert_einsum("egcd,edf->egcf", buffers, params.w_up, lora, "up")
-    outputs = expert_einsum("egcf,efd->egcd", hidden, params.w_down, lora, "down")
+    product = lambda w, rows: w.per_expert(rows)  # noqa: E731
+    outputs = experts.apply(buffers.reshape(num_experts, groups * slots, -1), product, product)
+    outputs = outputs.reshape(num_experts, groups, slots, -1)
     return jnp.einsum("gsec,egcd->gsd", combine, outputs).reshape(x.shape)
 
 
@@ -313,7 +244,7 @@ def _needs_capacity_factor(config: MoEConfig) -> None:
         )
 
 
-BACKENDS: Registry[Backend] = Registry("dispatch backend")
+BACKENDS = DISPATCH_BACKENDS
 BACKENDS.register("dense", Backend(dense, _dense_bytes))
 BACKENDS.register("sorted", Backend(sorted_blocks, _sorted_bytes))
 BACKENDS.register("ragged_dot", Backend(ragged, _ragged_bytes))

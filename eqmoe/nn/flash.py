@@ -3,16 +3,18 @@
 Queries and keys are cut into blocks. For each query block a loop over the key blocks it can see keeps a
 running maximum ``m``, normaliser ``l`` and output accumulator (the online softmax of FlashAttention), so
 no ``[queries, keys]`` matrix is ever held beyond one ``[block, block]`` tile. Which tiles are computed
-comes from the mask description (:class:`eqmoe.nn.attention.AttentionMask`): a tile whose keys are all
-in the causal future of its queries, all padding, or all in other packed documents is never visited,
-so causal attention costs about half of full attention and packed short documents less still.
+comes from the mask description (:class:`eqmoe.nn.context.AttentionMask`): a tile whose keys are all
+in the causal future of its queries, all padding, all in other packed documents or all behind a sliding
+window is never visited, so causal attention costs about half of full attention, packed short documents less
+still, and a sliding layer's cost grows with window x length, not length squared.
 
 The backward pass (a custom VJP, FlashAttention-2's) saves only the output and the log-sum-exp of each
 query row and recomputes every tile's probabilities: one loop over key blocks accumulates that block's
 key and value gradients while adding each tile's query gradient into place.
 
-Layout: queries ``[batch, kv_heads, group, queries, head_dim]`` (query head ``h = n * group + i`` reads
-key/value head ``n``, as HF's ``repeat_kv``), keys and values ``[batch, kv_heads, keys, head_dim]``.
+Layout: queries ``[batch, kv_heads, group, queries, qk_dim]`` (query head ``h = n * group + i`` reads
+key/value head ``n``, as HF's ``repeat_kv``), keys ``[batch, kv_heads, keys, qk_dim]``, values
+``[batch, kv_heads, keys, v_dim]`` (their own width).
 Scores, the softmax and all accumulators are float32; matmul inputs stay in the compute dtype.
 A query that sees no key at all (left padding) gets output 0.
 """
@@ -44,12 +46,13 @@ def _pad(x: Array, length: int, axis: int, value) -> Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _blocks(mask, q_len: int, k_len: int, block_q: int, block_k: int) -> _Blocks:
+def _blocks(mask, q_len: int, k_len: int, block_q: int, block_k: int, window: int | None) -> _Blocks:
     """Pad the mask's per-token arrays to whole blocks and find the tiles that hold any visible pair.
 
-    A tile is live when its earliest key is not after its latest query (causality) and, in some row of
-    the batch, the segment ids of its valid keys and of its queries overlap as ranges: exact for packed
-    rows (non-decreasing ids), conservative otherwise.
+    A tile is live when its earliest key is not after its latest query (causality), its latest key is inside
+    the window of its earliest query (a sliding layer) and, in some row of the batch, the segment ids of its
+    valid keys and of its queries overlap as ranges: exact for packed rows (non-decreasing ids), conservative
+    otherwise.
     """
     batch = mask.query_segment.shape[0]
     nq, nk = q_len // block_q, k_len // block_k
@@ -66,6 +69,9 @@ def _blocks(mask, q_len: int, k_len: int, block_q: int, block_k: int) -> _Blocks
     k_hi = jnp.max(jnp.where(key_valid, key_segment, -_FAR), axis=2)
     overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
     causal = jnp.min(key_index, axis=1)[None, :] <= jnp.max(query_index, axis=1)[:, None]
+    if window is not None:  # a tile's latest key within the window of its earliest real query
+        first_query = jnp.min(jnp.where(query_index >= 0, query_index, _FAR), axis=1)
+        causal = causal & (jnp.max(key_index, axis=1)[None, :] > first_query[:, None] - window)
     live = causal & jnp.any(overlap, axis=0)
     return _Blocks(query_index, key_index, query_segment, key_segment, key_valid, live)
 
@@ -78,9 +84,11 @@ def _bounds(live: Bool[Array, "outer inner"]) -> tuple[Int[Array, " outer"], Int
     return lo, jnp.where(jnp.any(live, axis=1), hi, lo)
 
 
-def _visible(blocks: _Blocks, i, j, group: int) -> Bool[Array, "batch 1 rows k_block"]:
+def _visible(blocks: _Blocks, i, j, group: int, window: int | None) -> Bool[Array, "batch 1 rows k_block"]:
     """The exact mask of tile ``(i, j)`` for its ``group * q_block`` query rows, broadcast over kv heads."""
     causal = blocks.key_index[j][None, :] <= blocks.query_index[i][:, None]
+    if window is not None:
+        causal = causal & (blocks.key_index[j][None, :] > blocks.query_index[i][:, None] - window)
     same = blocks.query_segment[:, i, :, None] == blocks.key_segment[:, j, None, :]
     visible = causal[None] & same & blocks.key_valid[:, j, None, :]
     batch, block_q, block_k = visible.shape
@@ -103,8 +111,9 @@ def _einsum(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int):
-    batch, kv_heads, group, _, head_dim = q.shape
+def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
+    batch, kv_heads, group, _, _ = q.shape
+    v_dim = v.shape[-1]
     nq, nk = blocks.live.shape
     lo, hi = _bounds(blocks.live)
 
@@ -116,7 +125,7 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int)
             def compute(carry):
                 m, denom, acc = carry
                 scores = _einsum("bnqd,bnkd->bnqk", q_tile, _slice(k, j, block_k, 2)) * scale
-                scores = jnp.where(_visible(blocks, i, j, group), scores, -jnp.inf)
+                scores = jnp.where(_visible(blocks, i, j, group, window), scores, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(scores - shift[..., None])
@@ -129,22 +138,22 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int)
         init = (
             jnp.full(shape, -jnp.inf, jnp.float32),
             jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
+            jnp.zeros((*shape, v_dim), jnp.float32),
         )
         m, denom, acc = jax.lax.fori_loop(lo[i], hi[i], key_block, init)
         seen = denom > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0).astype(q.dtype)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
-        return None, (out.reshape(batch, kv_heads, group, block_q, head_dim), lse.reshape(batch, kv_heads, group, -1))
+        return None, (out.reshape(batch, kv_heads, group, block_q, v_dim), lse.reshape(batch, kv_heads, group, -1))
 
     _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(nq))
     # [q_blocks, batch, kv_heads, group, q_block, ...] -> [batch, kv_heads, group, queries, ...]
-    out = jnp.moveaxis(out, 0, 3).reshape(q.shape)
+    out = jnp.moveaxis(out, 0, 3).reshape(*q.shape[:-1], v_dim)
     lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:-1])
     return out, lse
 
 
-def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: int, block_k: int):
+def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: int, block_k: int, window):
     group = q.shape[2]
     nq, nk = blocks.live.shape
     lo, hi = _bounds(blocks.live.T)
@@ -160,7 +169,7 @@ def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: 
                 q_tile, d_out_tile = _query_rows(q, i, block_q), _query_rows(d_out, i, block_q)
                 scores = _einsum("bnqd,bnkd->bnqk", q_tile, k_tile) * scale
                 p = jnp.exp(scores - _query_rows(lse, i, block_q)[..., None])
-                p = jnp.where(_visible(blocks, i, j, group), p, 0.0)
+                p = jnp.where(_visible(blocks, i, j, group, window), p, 0.0)
                 d_v = d_v + _einsum("bnqk,bnqd->bnkd", p.astype(d_out.dtype), d_out_tile)
                 d_p = _einsum("bnqd,bnkd->bnqk", d_out_tile, v_tile)
                 d_s = (p * (d_p - _query_rows(delta, i, block_q)[..., None]) * scale).astype(q.dtype)
@@ -173,8 +182,8 @@ def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: 
 
             return jax.lax.cond(blocks.live[i, j], compute, lambda carry: carry, carry)
 
-        zeros = jnp.zeros(k_tile.shape, jnp.float32)
-        d_q, d_k, d_v = jax.lax.fori_loop(lo[j], hi[j], query_block, (d_q, zeros, zeros))
+        zeros_k, zeros_v = jnp.zeros(k_tile.shape, jnp.float32), jnp.zeros(v_tile.shape, jnp.float32)
+        d_q, d_k, d_v = jax.lax.fori_loop(lo[j], hi[j], query_block, (d_q, zeros_k, zeros_v))
         return d_q, (d_k, d_v)
 
     d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
@@ -183,19 +192,19 @@ def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: 
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int):
-    return _forward(q, k, v, blocks, scale, block_q, block_k)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
+    return _forward(q, k, v, blocks, scale, block_q, block_k, window)[0]
 
 
-def _attention_fwd(q, k, v, blocks, scale, block_q, block_k):
-    out, lse = _forward(q, k, v, blocks, scale, block_q, block_k)
+def _attention_fwd(q, k, v, blocks, scale, block_q, block_k, window):
+    out, lse = _forward(q, k, v, blocks, scale, block_q, block_k, window)
     return out, (q, k, v, out, lse, blocks)
 
 
-def _attention_bwd(scale, block_q, block_k, residuals, d_out):
+def _attention_bwd(scale, block_q, block_k, window, residuals, d_out):
     q, k, v, out, lse, blocks = residuals
-    d_q, d_k, d_v = _backward(q, k, v, out, lse, d_out, blocks, scale, block_q, block_k)
+    d_q, d_k, d_v = _backward(q, k, v, out, lse, d_out, blocks, scale, block_q, block_k, window)
     return d_q, d_k, d_v, None
 
 
@@ -209,24 +218,25 @@ def _block_length(length: int, block: int) -> tuple[int, int]:
 
 
 def blockwise_attention(
-    q: Float[Array, "batch kv_heads group queries head_dim"],
-    k: Float[Array, "batch kv_heads keys head_dim"],
-    v: Float[Array, "batch kv_heads keys head_dim"],
+    q: Float[Array, "batch kv_heads group queries qk_dim"],
+    k: Float[Array, "batch kv_heads keys qk_dim"],
+    v: Float[Array, "batch kv_heads keys v_dim"],
     mask,
     *,
     scale: float,
     block_size: int,
-) -> Float[Array, "batch kv_heads group queries head_dim"]:
+    window: int | None = None,
+) -> Float[Array, "batch kv_heads group queries v_dim"]:
     """``softmax(scale * q k^T + mask) v`` computed tile by tile (see the module docstring).
 
-    ``mask`` is an :class:`eqmoe.nn.attention.AttentionMask`; sequence lengths need not be multiples of
-    ``block_size`` (the last block is padded with tokens no one sees).
+    ``mask`` is an :class:`eqmoe.nn.context.AttentionMask`; ``window`` a sliding layer's window (``None``:
+    full); sequence lengths need not be multiples of ``block_size`` (the last block is padded with tokens no one
+    sees).
     """
     q_len, k_len = q.shape[3], k.shape[2]
     block_q, q_padded = _block_length(q_len, block_size)
     block_k, k_padded = _block_length(k_len, block_size)
-    blocks = _blocks(mask, q_padded, k_padded, block_q, block_k)
-    out = _attention(
-        _pad(q, q_padded, 3, 0), _pad(k, k_padded, 2, 0), _pad(v, k_padded, 2, 0), blocks, scale, block_q, block_k
-    )
+    blocks = _blocks(mask, q_padded, k_padded, block_q, block_k, window)
+    padded = (_pad(q, q_padded, 3, 0), _pad(k, k_padded, 2, 0), _pad(v, k_padded, 2, 0))
+    out = _attention(*padded, blocks, scale, block_q, block_k, window)
     return out[:, :, :, :q_len]

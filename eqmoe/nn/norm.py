@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from eqmoe.nn._params import Layer, Role, param
+from eqmoe.params import Layer, Role, param
 
 
 class RMSNorm(Layer):

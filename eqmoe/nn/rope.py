@@ -8,7 +8,7 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
-from eqmoe.config import RopeScaling
+from eqmoe.rope_scaling import RopeScaling
 
 
 def _periods(head_dim: int, theta: float) -> Float[np.ndarray, " half"]:

@@ -1,9 +1,9 @@
-"""Routing strategies: which experts each token goes to, with what weights, and router statistics.
+"""Routing strategies: which experts each token goes to, and with what weights.
 
 Each strategy is a short function from router logits to ``(weights, experts)``; capacity (dropping)
-is applied on top of any of them. Every strategy is registered in :data:`STRATEGIES` under the name
-``RouterConfig.strategy`` uses; ``Router`` looks it up there, and the config accepts exactly the
-registered names. Adding one is a function and a registration line::
+is applied on top of any of them. Every strategy is registered in :data:`eqmoe.registries.ROUTER_STRATEGIES`
+(also :data:`STRATEGIES` here) under the name ``RouterConfig.strategy`` uses; ``Router`` looks it up there, and
+a config naming another is refused. Adding one is a function and a registration line::
 
     def my_route(logits, config: RouterConfig, bias):  # -> (weights [tokens, k], experts [tokens, k])
         ...
@@ -12,7 +12,7 @@ registered names. Adding one is a function and a registration line::
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -21,20 +21,27 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqmoe.config import RouterConfig
 from eqmoe.nn._init import Init
-from eqmoe.nn._params import Layer, Role, param
-from eqmoe.nn.lora import RouterAdapter, low_rank
-from eqmoe.registry import Registry
+from eqmoe.nn.linear import Linear
+from eqmoe.params import Layer, Role, param
+from eqmoe.registries import ROUTER_STRATEGIES
 
 
 class Routing(NamedTuple):
-    """A routing decision for a flat list of tokens (in groups of equal size, in order)."""
+    """A routing decision for a flat list of tokens (in groups of equal size, in order): what a MoE layer
+    returns beside its output, from which losses and analyses compute their statistics
+    (:func:`eqmoe.nn.routing_stats.router_stats`). Stacked by the layer scan, every field gains a leading
+    axis of MoE layers."""
 
-    weights: Float[Array, "tokens k"]  # combine weights in the activation dtype; 0 where dropped
-    experts: Int[Array, "tokens k"]  # expert of each of the k assignments, best first
-    kept: Bool[Array, "tokens k"]  # false where capacity dropped the assignment (or the token is padding)
-    positions: Int[Array, "tokens k"]  # slot in the expert's buffer within the group (capacity routing)
-    logits: Float[Array, "tokens experts"]  # router logits, float32
-    probs: Float[Array, "tokens experts"]  # softmax over all experts, float32
+    weights: Float[Array, "*layers tokens k"]  # combine weights in the activation dtype; 0 where dropped
+    experts: Int[Array, "*layers tokens k"]  # expert of each of the k assignments, best first
+    kept: Bool[Array, "*layers tokens k"]  # false where capacity dropped the assignment (or the token is padding)
+    positions: Int[Array, "*layers tokens k"]  # slot in the expert's buffer within the group (capacity routing)
+    logits: Float[Array, "*layers tokens experts"]  # router logits, float32
+
+    @property
+    def probs(self) -> Float[Array, "*layers tokens experts"]:
+        """Softmax over all experts, float32 (the load-balance losses' ``P``)."""
+        return jax.nn.softmax(self.logits, axis=-1)
 
 
 # --- strategies: logits -> (weights, experts) ------------------------------------------------------
@@ -176,7 +183,7 @@ def expert_groups(config: RouterConfig) -> ExpertGroups:
     return ExpertGroups(config.expert_groups, config.expert_groups_kept)
 
 
-STRATEGIES: Registry[Strategy] = Registry("router strategy")
+STRATEGIES = ROUTER_STRATEGIES
 STRATEGIES.register(
     "softmax_top_k", Strategy(lambda x, c, b: softmax_top_k(x, c.top_k, c.renormalize, b, expert_groups(c)))
 )
@@ -237,7 +244,7 @@ def capacity_positions(
 
 
 class Router(Layer):
-    """A linear gate ``logits = x @ W`` followed by the configured strategy and optional capacity
+    """A linear gate ``logits = gate(x)`` followed by the configured strategy and optional capacity
     (per group of ``RouterConfig.num_groups``, from the group's real tokens: :func:`group_capacity`).
 
     ``bias`` is the aux-loss-free selection bias (float32, zeros at init) when
@@ -245,24 +252,29 @@ class Router(Layer):
     leaves it alone and :func:`eqmoe.train.balance.update_router_biases` moves it after each step.
     """
 
-    # "gates": one score per expert, never split over devices (every device picks top-k over all experts).
-    weight: Float[Array, "embed gates"] = param(Role.ROUTER)
+    adapter_group: ClassVar[str] = "router"
+
+    gate: Linear
     bias: Float[Array, " gates"] | None = param(Role.ROUTER_BIAS)
-    lora: RouterAdapter | None
     config: RouterConfig = eqx.field(static=True)
 
     def __init__(self, embed_dim: int, config: RouterConfig, *, init: Init, key: PRNGKeyArray):
-        self.weight = init.weight(key, (embed_dim, config.num_experts), fan_in=embed_dim)
+        # "gates": one score per expert, never split over devices (every device picks top-k over all experts).
+        self.gate = Linear(
+            (embed_dim,),
+            (config.num_experts,),
+            role=Role.ROUTER,
+            in_axes=("embed",),
+            out_axes=("gates",),
+            init=init,
+            key=key,
+        )
         self.bias = jnp.zeros(config.num_experts, jnp.float32) if config.bias_update_rate > 0 else None
-        self.lora = None
         self.config = config
 
     def __call__(self, x: Float[Array, "tokens embed"], token_mask: Bool[Array, " tokens"]) -> Routing:
         config = self.config
-        logits = x @ self.weight
-        if self.lora is not None:
-            logits = logits + low_rank(x, self.lora.a, self.lora.b, self.lora.scale)
-        logits = logits.astype(jnp.float32)
+        logits = self.gate(x).astype(jnp.float32)
         weights, experts = STRATEGIES.get(config.strategy).route(logits, config, self.bias)
         if config.routed_scaling_factor != 1.0:
             weights = weights * config.routed_scaling_factor
@@ -280,118 +292,10 @@ class Router(Layer):
             )
             positions, kept = positions.reshape(experts.shape), kept.reshape(experts.shape)
             weights = jnp.where(kept, weights, 0.0)
-        probs = jax.nn.softmax(logits, axis=-1)
-        return Routing(weights.astype(x.dtype), experts, kept, positions, logits, probs)
+        return Routing(weights.astype(x.dtype), experts, kept, positions, logits)
 
 
 def _groups(tokens: int, num_groups: int) -> int:
     if tokens % num_groups:
         raise ValueError(f"RouterConfig.num_groups={num_groups} does not divide the {tokens} tokens of the batch")
     return num_groups
-
-
-# --- statistics ----------------------------------------------------------------------------------------
-
-
-class RouterStats(NamedTuple):
-    """Per-MoE-layer routing statistics over the real (unmasked) tokens.
-
-    Sums are kept (not only means) so that losses pooled over layers, such as HF's load-balancing
-    loss, can be formed exactly. Every load-balancing form is computed; the config picks the trained one.
-    Means over groups or documents count only those holding a real token, so padding changes nothing.
-    """
-
-    expert_counts: Float[Array, "*layers experts"]  # top-k assignments choosing each expert, before drops
-    prob_sum: Float[Array, "*layers experts"]  # sum of router probabilities per expert
-    num_tokens: Float[Array, "*layers"]
-    dropped: Float[Array, "*layers"]  # assignments dropped by capacity
-    top1_balance: Float[Array, "*layers"]  # AXLearn: E^2 * mean_{groups, e}(top-1 fraction * P)
-    sequence_balance: Float[Array, "*layers"]  # MaxText per packed document: E^2 * mean_{documents, e}(density * P)
-    z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
-    entropy_sum: Float[Array, "*layers"]  # sum over tokens of the router distribution's entropy (nats)
-    domain_counts: Float[Array, "*layers domains experts"] | None = None  # assignments per token domain
-
-    @property
-    def load(self) -> Float[Array, "*layers experts"]:
-        """Fraction of the routed assignments each expert received (sums to 1 per layer)."""
-        return self.expert_counts / jnp.maximum(self.expert_counts.sum(-1, keepdims=True), 1.0)
-
-    @property
-    def entropy(self) -> Float[Array, "*layers"]:
-        """Mean per-token entropy of the router probabilities, in nats (``log E`` = uniform)."""
-        return self.entropy_sum / jnp.maximum(self.num_tokens, 1.0)
-
-    @property
-    def dropped_fraction(self) -> Float[Array, "*layers"]:
-        return self.dropped / jnp.maximum(self.expert_counts.sum(-1), 1.0)
-
-
-def _balance(
-    fractions: Float[Array, "items experts"], probs: Float[Array, "items experts"], counts: Float[Array, " items"]
-) -> Float[Array, ""]:
-    """``E^2 * mean_{items, e}(fraction * P)`` from per-item sums, over the items with a real token only
-    (an all-padding group or document would otherwise pull the mean toward 0)."""
-    num_experts = fractions.shape[-1]
-    per_item = jnp.sum(fractions * probs, axis=-1) / jnp.square(jnp.maximum(counts, 1.0))
-    return num_experts * jnp.sum(per_item) / jnp.maximum(jnp.sum(counts > 0), 1)
-
-
-def router_stats(
-    routing: Routing,
-    token_mask: Bool[Array, "batch seq"],
-    num_groups: int,
-    token_domains: Float[Array, "batch seq domains"] | None = None,
-    segment_ids: Int[Array, "batch seq"] | None = None,
-) -> RouterStats:
-    """Statistics of one layer's routing over the tokens where ``token_mask`` is true.
-
-    ``sequence_balance`` is taken per packed document: the tokens of one row with one segment id
-    (ids in ``0..seq``, as :mod:`eqmoe.data.packing` makes them); without ``segment_ids`` each row is
-    one document. With ``token_domains`` (a one-hot domain label per token) ``domain_counts[d, e]``
-    counts the top-k assignments of domain ``d``'s tokens to expert ``e`` (before capacity drops).
-    """
-    batch, seq = token_mask.shape
-    num_experts = routing.probs.shape[-1]
-    valid = token_mask.reshape(-1).astype(jnp.float32)
-    chosen = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [tokens, k, experts]
-    expert_counts = jnp.einsum("tke,t->e", chosen, valid)
-    prob_sum = jnp.einsum("te,t->e", routing.probs, valid)
-    num_tokens = valid.sum()
-    rows = jnp.maximum(num_tokens, 1.0)
-
-    groups = _groups(batch * seq, num_groups)
-    group_valid = valid.reshape(groups, -1, 1)
-    top1_balance = _balance(
-        jnp.sum(chosen[:, 0].reshape(groups, -1, num_experts) * group_valid, axis=1),
-        jnp.sum(routing.probs.reshape(groups, -1, num_experts) * group_valid, axis=1),
-        group_valid.sum(axis=(1, 2)),
-    )
-
-    # Sums per (row, segment id) with one scatter per row: vmap keeps the rows a batch dimension of the
-    # scatter, so it stays split over a mesh's batch axes and nothing is [batch, seq, seq].
-    documents = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
-    per_token = jnp.concatenate([chosen.sum(axis=1), routing.probs, jnp.ones_like(valid)[:, None]], axis=-1)
-    per_token = (per_token * valid[:, None]).reshape(batch, seq, -1)
-    sums = jax.vmap(lambda values, ids: jax.ops.segment_sum(values, ids, num_segments=seq + 1))(per_token, documents)
-    sums = sums.reshape(batch * (seq + 1), -1)
-    sequence_balance = _balance(sums[:, :num_experts], sums[:, num_experts:-1], sums[:, -1])
-
-    dropped = jnp.sum((~routing.kept) * valid[:, None])
-    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows
-    log_probs = jax.nn.log_softmax(routing.logits, axis=-1)
-    entropy_sum = jnp.sum(-jnp.sum(routing.probs * log_probs, axis=-1) * valid)
-    domain_counts = None
-    if token_domains is not None:
-        domains = token_domains.reshape(batch * seq, -1).astype(jnp.float32) * valid[:, None]
-        domain_counts = jnp.einsum("td,tke->de", domains, chosen)
-    return RouterStats(
-        expert_counts,
-        prob_sum,
-        num_tokens,
-        dropped,
-        top1_balance,
-        sequence_balance,
-        z_loss,
-        entropy_sum,
-        domain_counts,
-    )

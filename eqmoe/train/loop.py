@@ -17,9 +17,11 @@ import jax
 import numpy as np
 
 from eqmoe import parallel
-from eqmoe.checkpoints.model_checkpoint import changed_part, in_saved_dtypes, saved_mask
+from eqmoe.checkpoints.base import BaseModel
+from eqmoe.checkpoints.model_checkpoint import changed_part, restore
 from eqmoe.checkpoints.orbax import Checkpointer
-from eqmoe.config_io import architecture_differences, config_from_dict, config_to_dict, format_differences
+from eqmoe.checkpoints.run_metadata import RunMetadata
+from eqmoe.config_io import architecture_differences, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
 from eqmoe.train.logging import MetricsLog, Progress, plot_metrics
@@ -78,7 +80,7 @@ def train(
     dataset: PackedDataset,
     batch_size: int,
     evaluate: Callable[[Transformer], dict[str, float]],
-    metadata: dict,
+    metadata: RunMetadata,
     parallelism: parallel.Parallelism | None = None,
     arguments: dict | None = None,
 ) -> TrainResult:
@@ -90,7 +92,8 @@ def train(
       process reads its own slice of it.
     - ``evaluate(model)``: held-out metrics, written to ``metrics.jsonl`` every ``eval_every`` steps and
       at the end (called with ``parallelism`` active); the last one is also returned as ``final_eval``.
-    - ``metadata``: stored with every checkpoint beside the step, data step, seed and model config.
+    - ``metadata``: the :class:`RunMetadata` stored with every checkpoint (its step, data step, seed and model
+      config filled in at each save).
     - ``arguments``: the experiment's command-line arguments, for the trackers' run config (with the model,
       optimizer and run options).
     - ``parallelism``: a device mesh (:mod:`eqmoe.parallel`); the model, optimizer state and batches are
@@ -105,21 +108,17 @@ def train(
         return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments)
 
 
-def _leaf_paths(tree) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
-
-
-def _check_same_base(stored: dict | None, now: dict | None, out_dir: Path) -> None:
+def _check_same_base(stored: BaseModel | None, now: BaseModel | None, out_dir: Path) -> None:
     """A resumed run must start from the base model its checkpoints were trained on."""
-    if stored is None or (now is not None and now.get("sha256") == stored.get("sha256")):
+    if stored is None or (now is not None and now.sha256 == stored.sha256):
         return
     if now is None:
         raise ValueError(
-            f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.get('path')}; start from it"
+            f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.path}; start from it"
         )
     raise ValueError(
-        f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.get('path')} "
-        f"(content sha256 {str(stored.get('sha256'))[:16]}), not on {now.get('path')} ({str(now.get('sha256'))[:16]})"
+        f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.path} "
+        f"(content sha256 {stored.sha256[:16]}), not on {now.path} ({now.sha256[:16]})"
     )
 
 
@@ -145,25 +144,22 @@ def _train(
         # Only the architecture must match: the execution and objective fields of the new config apply
         # from here on (the restore target is built from the new model, so the restored model carries
         # its config, and the next checkpoints store it).
-        stored = config_from_dict(checkpointer.metadata(latest).get("config", {}))
-        differences = architecture_differences(stored, config)
+        stored = RunMetadata.from_json(checkpointer.metadata(latest), str(out_dir / "checkpoints"))
+        differences = architecture_differences(stored.config, config)
         if differences:
             checkpointer.close()
             raise ValueError(
                 f"--resume: the checkpoint in {out_dir} has a different architecture: "
                 + format_differences(differences, "checkpoint", "now")
             )
-        _check_same_base(checkpointer.metadata(latest).get("base"), metadata.get("base"), out_dir)
+        _check_same_base(stored.base, metadata.base, out_dir)
         target = abstract_state(lambda: model, optimizer, key=key)
         if parallelism is not None:
             target = parallel.abstract_sharded(target, parallelism)
-        layout = checkpointer.layout(latest)
-        target = in_saved_dtypes(target, layout)
         # Leaves a checkpoint of a run with a base folder leaves out (frozen weights) come from the base.
-        mask = saved_mask(target, set(layout) | {p for p in _leaf_paths(target) if not p.startswith(".model.")})
-        state, _ = checkpointer.restore(latest, eqx.filter(target, mask))
-        _, frozen = eqx.partition(parallel.shard(model, parallelism), mask.model)
-        state = eqx.tree_at(lambda s: s.model, state, hold_frozen(eqx.combine(state.model, frozen), trained))
+        fill = eqx.tree_at(lambda s: s.model, target, parallel.shard(model, parallelism))
+        state = restore(checkpointer, latest, target, fill=fill)
+        state = eqx.tree_at(lambda s: s.model, state, hold_frozen(state.model, trained))
         assert state.model.config == config, "the restored model must carry the new config"
         print(f"resumed from step {latest}", file=sys.stderr)
     else:
@@ -173,7 +169,7 @@ def _train(
     primary = jax.process_index() == 0
     resumed_at = start if latest is not None else None
     run_config = {"model": config_to_dict(config), "optimizer": asdict(optimizer_config), "run": asdict(options)}
-    run_config.update(arguments=arguments or {}, metadata=metadata)
+    run_config.update(arguments=arguments or {}, metadata=metadata.replace(config=config).to_json())
     try:
         trackers = Trackers([])
         if primary:
@@ -197,19 +193,19 @@ def _train(
             checkpointer,
             parallelism,
             make_train_step(optimizer, schedule, trained),
-            save=lambda state: _save(state, checkpointer, options, config, metadata, trained),
+            save=lambda state: _save(state, checkpointer, options, metadata.replace(config=config), trained),
         )
     finally:
         trackers.close()
         checkpointer.close()
 
 
-def _save(state: TrainState, checkpointer: Checkpointer, options: RunOptions, config, metadata: dict, trained) -> None:
+def _save(state: TrainState, checkpointer: Checkpointer, options: RunOptions, metadata: RunMetadata, trained) -> None:
     step = _int(state.step)
-    stored = {"step": step, "data_step": _int(state.data_step), "seed": options.seed}
-    if metadata.get("base") is not None:  # the rest is the base's: only what training changes is saved
+    record = metadata.replace(step=step, data_step=_int(state.data_step), seed=options.seed)
+    if metadata.base is not None:  # the rest is the base's: only what training changes is saved
         state = eqx.tree_at(lambda s: s.model, state, changed_part(state.model, trained))
-    checkpointer.save(step, state, {**stored, "config": config_to_dict(config), **metadata})
+    checkpointer.save(step, state, record.to_json())
 
 
 def _host_terms(terms: dict) -> dict[str, float | list[float]]:

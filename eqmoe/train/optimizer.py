@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from eqmoe.config import _check, _positive
-from eqmoe.nn._params import Role, param_info, param_infos
+from eqmoe.params import Role, param_info, param_infos, role_mask
 
 FREEZABLE = tuple(role.value for role in Role if role.trained and role is not Role.ADAPTER)
 _ALIASES = {"embeddings": "embedding", "experts": "expert", "norms": "norm", "routers": "router"}
@@ -128,11 +128,6 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     )
 
 
-def _mask(params, predicate: Callable[[Role], bool]):
-    """``predicate(role)`` for every parameter of ``params`` (its declared :class:`Role`)."""
-    return jax.tree.map(lambda info: predicate(info.role), param_info(params))
-
-
 def trained_roles(config: OptimizerConfig, params) -> Callable[[Role], bool]:
     """Whether the optimizer trains a role: not the router bias (moved by the balance rule), not a frozen
     role, and, when ``params`` hold LoRA adapters, nothing but the adapters."""
@@ -182,12 +177,12 @@ def make_optimizer(
     """The optax transformation for ``params`` (the array leaves of a model) and its schedule."""
     _check_declared(params)
     schedule = learning_rate_schedule(config)
-    decay_mask = lambda tree: _mask(tree, lambda role: decays(config, role))  # noqa: E731
+    decay_mask = lambda tree: role_mask(tree, lambda role: decays(config, role))  # noqa: E731
     steps = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
     steps.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
     if config.mup_base_dim is not None:
         factor = min(config.mup_base_dim / embed_dim, 1.0)
-        steps.append(optax.masked(optax.scale(factor), lambda tree: _mask(tree, lambda role: role.hidden_matrix)))
+        steps.append(optax.masked(optax.scale(factor), lambda tree: role_mask(tree, lambda role: role.hidden_matrix)))
     if config.decay_scaled_by_schedule:
         steps.append(optax.scale_by_learning_rate(schedule))
         decay = _decay_scaled_by_schedule(config.weight_decay, schedule, config.learning_rate)
@@ -205,7 +200,7 @@ def _trained_only(inner: optax.GradientTransformation, is_trained: Callable[[Rol
     for them, which ``eqx.apply_updates`` skips (their gradients, ``None`` or zeros, are ignored)."""
 
     def trained(tree):
-        return eqx.filter(tree, _mask(tree, is_trained))
+        return eqx.filter(tree, role_mask(tree, is_trained))
 
     def init(params):
         return inner.init(trained(params))

@@ -10,7 +10,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.model import Transformer
-from eqmoe.nn._params import ParamInfo, Role, param_info
+from eqmoe.params import Role, role_mask
 
 
 class TrainState(eqx.Module):
@@ -55,14 +55,14 @@ def hold_frozen(model: Transformer, trained: Callable[[Role], bool]) -> Transfor
     first, so the numbers are the same and a bfloat16 run's frozen base takes half the memory. Router biases,
     moved outside the optimizer, keep their dtype."""
     target = jnp.dtype(model.config.dtype)
+    frozen = role_mask(model, lambda role: role is not Role.ROUTER_BIAS and not trained(role))
 
-    def hold(info, leaf):
-        frozen = isinstance(info, ParamInfo) and info.role not in (None, Role.ROUTER_BIAS) and not trained(info.role)
+    def hold(frozen, leaf):
         if frozen and eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != target:
             return leaf.astype(target)
         return leaf
 
-    return jax.tree.map(hold, param_info(model), model, is_leaf=lambda x: isinstance(x, ParamInfo))
+    return jax.tree.map(hold, frozen, model)
 
 
 def param_count(state: TrainState) -> int:

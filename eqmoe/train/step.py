@@ -13,8 +13,8 @@ from eqmoe import parallel
 from eqmoe.data import packing
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
-from eqmoe.nn._params import ParamInfo, Role, param_info
-from eqmoe.nn.router import RouterStats
+from eqmoe.nn.routing_stats import RouterStats
+from eqmoe.params import Role, role_mask
 from eqmoe.progress import phase_bar
 from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
@@ -74,20 +74,21 @@ def batch_loss(
         key=key,
     )
     loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
-    if output.aux is not None:
-        load = output.aux.load
+    stats = output.aux
+    if stats is not None:
+        load = stats.load
         terms["load_cv"] = jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
         terms["load_max_over_mean"] = jnp.mean(jnp.max(load, -1) * load.shape[-1])  # 1 = perfectly balanced
-        terms["router_entropy"] = jnp.mean(output.aux.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
+        terms["router_entropy"] = jnp.mean(stats.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
         # Per MoE layer (lists in metrics.jsonl, one tracker scalar per layer): a dead or hot expert in one
         # layer is hidden by the means above.
         shares = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1e-9) * load.shape[-1]
         terms["load_cv_by_layer"] = jnp.std(shares, axis=-1)
         terms["load_max_minus_min_by_layer"] = jnp.max(shares, -1) - jnp.min(shares, -1)  # in uniform shares
-        terms["dropped_fraction_by_layer"] = output.aux.dropped_fraction
-        terms["router_entropy_by_layer"] = output.aux.entropy / jnp.log(max(load.shape[-1], 2))
+        terms["dropped_fraction_by_layer"] = stats.dropped_fraction
+        terms["router_entropy_by_layer"] = stats.entropy / jnp.log(max(load.shape[-1], 2))
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
-    return loss, (terms, None if output.aux is None else output.aux.expert_counts)
+    return loss, (terms, None if stats is None else stats.expert_counts)
 
 
 def make_train_step(
@@ -105,16 +106,6 @@ def make_train_step(
     return eqx.filter_jit(train_step_fn(optimizer, schedule, trained), donate="all-except-first")
 
 
-def _trained_part(model: Transformer, trained: Callable[[Role], bool]):
-    """``(trained, frozen)`` halves of ``model`` (``eqx.partition``) by each parameter's role."""
-    spec = jax.tree.map(
-        lambda info: isinstance(info, ParamInfo) and info.role is not None and trained(info.role),
-        param_info(model),
-        is_leaf=lambda x: isinstance(x, ParamInfo),
-    )
-    return eqx.partition(model, spec)
-
-
 def train_step_fn(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
@@ -128,7 +119,7 @@ def train_step_fn(
     trained = trained or (lambda role: role.trained)
 
     def train_step(batch: Batch, state: TrainState) -> tuple[TrainState, Metrics]:
-        differentiated, constant = _trained_part(state.model, trained)
+        differentiated, constant = eqx.partition(state.model, role_mask(state.model, trained))
         step_key = jax.random.fold_in(state.key, state.step)  # the next state's key; this step's randomness below
         dropout_key = jax.random.fold_in(step_key, 0)
         loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch, dropout_key)  # noqa: E731
@@ -171,15 +162,11 @@ def routing_eval_step(
     """The loss terms on a batch, without gradients, and the router statistics of every MoE layer (with
     per-domain assignment counts when ``token_domains``, one-hot per token, is given)."""
     output = model(
-        batch.tokens,
-        segment_ids=batch.segment_ids,
-        positions=batch.positions,
-        token_mask=batch.segment_ids != 0,
-        token_domains=token_domains,
+        batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=batch.segment_ids != 0
     )
     _, terms = objective(output, batch.tokens, batch.target_mask, model.config)
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
-    return terms, output.aux
+    return terms, output.stats(token_domains)
 
 
 @eqx.filter_jit

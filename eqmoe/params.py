@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import functools
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -110,11 +111,17 @@ class Layer(eqx.Module):
     """A module whose array fields are all declared parameters (:func:`param`) or sub-layers.
 
     An array in any other field is refused when the layer is built, so a new parameter cannot be
-    silently replicated, decayed or counted as something it is not.
+    silently replicated, decayed or counted as something it is not. A layer whose parameters' roles and axes
+    depend on the instance (a :class:`eqmoe.nn.linear.Linear` is an attention projection in one place and an
+    expert's matrix in another) overrides :meth:`declared`.
     """
 
+    def declared(self) -> dict[str, tuple[Role, tuple[str, ...]]]:
+        """``{field: (role, logical axes)}`` of this layer's parameters (by default, its class declarations)."""
+        return _declared(type(self))
+
     def __check_init__(self):
-        declared = _declared(type(self))
+        declared = self.declared()
         for field in dataclasses.fields(self):
             if field.name in declared or field.metadata.get("static", False):
                 continue
@@ -125,7 +132,7 @@ class Layer(eqx.Module):
 
 def _layer_info(layer: Layer) -> Layer:
     """``layer`` with every parameter replaced by its :class:`ParamInfo` (same tree structure)."""
-    declared = _declared(type(layer))
+    declared = layer.declared()
     info = object.__new__(type(layer))
     for field in dataclasses.fields(layer):
         value = getattr(layer, field.name)
@@ -174,3 +181,14 @@ def param_info(tree: Any) -> Any:
 def param_infos(tree: Any) -> list[ParamInfo]:
     """The :class:`ParamInfo` of every array leaf of ``tree``, in ``jax.tree.leaves`` order."""
     return [leaf for leaf in jax.tree.leaves(param_info(tree)) if isinstance(leaf, ParamInfo)]
+
+
+def role_mask(tree: Any, predicate: Callable[[Role], bool]) -> Any:
+    """``tree``'s structure with ``predicate(role)`` at every parameter and ``False`` at every other leaf: the one
+    mask of which leaves are trained, frozen, decayed or saved (for ``eqx.partition`` / ``eqx.filter`` and
+    ``optax.masked``)."""
+    return jax.tree.map(
+        lambda info: isinstance(info, ParamInfo) and info.role is not None and predicate(info.role),
+        param_info(tree),
+        is_leaf=lambda x: isinstance(x, ParamInfo),
+    )

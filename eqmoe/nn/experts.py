@@ -1,0 +1,113 @@
+"""The routed experts of a MoE layer: stacked SwiGLU matrices that carry their own biases and adapters.
+
+``expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))``, each of ``gate``, ``up``, ``down`` an
+:class:`~eqmoe.nn.linear.ExpertLinear`. The dispatch backends (:mod:`eqmoe.nn.dispatch`) decide which rows meet
+which expert and call :meth:`RoutedExperts.apply` with the products of their layout; the grouped kernel
+(:mod:`eqmoe.nn.grouped`) runs one expert at a time through :meth:`RoutedExperts.fused`. None of them knows
+whether a matrix has a bias or a LoRA adapter.
+"""
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from eqmoe.nn._init import Init
+from eqmoe.nn.linear import ExpertLinear, Linear, LowRank
+from eqmoe.nn.mlp import silu
+from eqmoe.params import Layer, Role
+
+Product = Callable[[ExpertLinear, Array], Array]
+
+
+class RoutedExperts(Layer):
+    """``num_experts`` SwiGLU experts stored as stacked matrices (``[experts, embed, expert_mlp]`` in,
+    ``[experts, expert_mlp, embed]`` out)."""
+
+    adapter_group: ClassVar[str] = "experts"
+
+    gate: ExpertLinear
+    up: ExpertLinear
+    down: ExpertLinear
+
+    def __init__(self, num_experts: int, embed_dim: int, expert_dim: int, *, init: Init, key: PRNGKeyArray):
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        into = dict(role=Role.EXPERT, in_axes=("embed",), out_axes=("expert_mlp",), init=init)
+        self.gate = ExpertLinear(num_experts, (embed_dim,), (expert_dim,), key=k_gate, **into)
+        self.up = ExpertLinear(num_experts, (embed_dim,), (expert_dim,), key=k_up, **into)
+        self.down = ExpertLinear(
+            num_experts,
+            (expert_dim,),
+            (embed_dim,),
+            role=Role.EXPERT,
+            in_axes=("expert_mlp",),
+            out_axes=("embed",),
+            init=init,
+            key=k_down,
+        )
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.weight.shape[-3]
+
+    @property
+    def expert_dim(self) -> int:
+        return self.gate.weight.shape[-1]
+
+    @staticmethod
+    def activation(gate: Float[Array, "*rows width"], up: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
+        """The gated unit between the two halves: ``silu(gate) * up``."""
+        return silu(gate) * up
+
+    def apply(self, x: Array, into: Product, out_of: Product) -> Array:
+        """The experts on ``x`` with a backend's products: ``into(w, x)`` for the input side (``gate``, ``up``),
+        ``out_of(w, h)`` for the output side (``down``)."""
+        return out_of(self.down, self.activation(into(self.gate, x), into(self.up, x)))
+
+    def fused(self) -> "FusedExpert":
+        """One expert (a slice of the stack, taken inside a scan over experts) with ``gate`` and ``up`` as one
+        ``[embed, 2 * expert_dim]`` product, so rows go through one matmul on each side; differentiable, so a
+        kernel maps gradients of the fused expert back with ``jax.vjp``."""
+        return FusedExpert(_concatenate(self.gate, self.up), self.down)
+
+
+class FusedExpert(eqx.Module):
+    """One expert with its input side fused: ``down(activation(gate_up(x)))``; ``gate_up``'s output is the gate
+    pre-activations then the up ones."""
+
+    gate_up: Linear
+    down: Linear
+
+    def pre_activations(self, x: Float[Array, "rows embed"]) -> Float[Array, "rows gate_up"]:
+        return self.gate_up(x)
+
+    def output(self, pre: Float[Array, "rows gate_up"]) -> Float[Array, "rows embed"]:
+        width = pre.shape[-1] // 2
+        return self.down(RoutedExperts.activation(pre[:, :width], pre[:, width:]))
+
+
+def _concatenate(gate: Linear, up: Linear) -> Linear:
+    """``gate`` and ``up`` (one expert's, same input) as one product whose outputs are ``gate``'s then ``up``'s.
+
+    Adapters become one adapter of the summed rank: ``A = [A_gate | A_up]`` and a block-diagonal ``B`` (a side
+    without adapter contributes none), the same update exactly."""
+    weight = jnp.concatenate([gate.matrix(), up.matrix()], axis=-1)
+    width = gate.matrix().shape[-1]
+    bias = None
+    if gate.bias is not None or up.bias is not None:
+        biases = [side.flat_bias() for side in (gate, up)]
+        bias = jnp.concatenate([b if b is not None else jnp.zeros((width,), weight.dtype) for b in biases], axis=-1)
+    factors = []
+    for side, first in ((gate, True), (up, False)):
+        if side.adapter is not None:
+            a, b = side.adapter.matrices()
+            zeros = jnp.zeros_like(b)
+            factors.append((a, jnp.concatenate([b, zeros] if first else [zeros, b], axis=-1) * side.adapter.scale))
+    adapter = None
+    if factors:
+        a = jnp.concatenate([a for a, _ in factors], axis=-1)
+        adapter = LowRank.holding(a, jnp.concatenate([b for _, b in factors], axis=-2))
+    return Linear.holding(weight, bias, adapter, role=gate.role)

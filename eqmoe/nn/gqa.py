@@ -1,0 +1,186 @@
+"""Grouped-query attention with rotary positions and QK-norm: the ``gqa`` attention kind."""
+
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqmoe.config import AttentionConfig, LayerKind, ModelConfig
+from eqmoe.nn._init import Init
+from eqmoe.nn.attention_backends import attend, scale_once
+from eqmoe.nn.context import Context
+from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape
+from eqmoe.nn.linear import Linear
+from eqmoe.nn.norm import RMSNorm
+from eqmoe.nn.rope import apply_rope, rope_tables
+from eqmoe.params import Role
+from eqmoe.registries import ATTENTION_KINDS
+from eqmoe.tensor_names import TensorName, linear_names
+
+
+class LayerCache(NamedTuple):
+    """Keys and values of one grouped-query attention layer for cached decoding, in the compute dtype.
+
+    Slot ``t`` of ``max_len`` holds the token written at step ``t`` (the cache's write index, not the RoPE
+    position). In a scanned segment every leaf carries a leading ``repeats`` axis, stacked like the parameters.
+    """
+
+    keys: Float[Array, "*repeats batch kv_heads max_len head_dim"]
+    values: Float[Array, "*repeats batch kv_heads max_len head_dim"]
+
+
+def _whole(norm: RMSNorm, x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch seq heads head_dim"]:
+    """``norm`` over every head's dimensions at once (OLMoE's QK-norm of the whole projection)."""
+    return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
+
+
+@ATTENTION_KINDS.register("gqa")
+class GroupedQueryAttention(AttentionKind):
+    """Multi-head attention whose ``num_kv_heads`` key/value heads are shared by groups of query heads.
+
+    HF Qwen3MoeAttention: q/k/v projections without bias, RMSNorm over ``head_dim`` on q and k (one
+    scale shared by all heads) before RoPE, scores scaled by ``head_dim^-0.5``, softmax in float32.
+    AXLearn Envy (``qk_norm="after_rope"``): ``q = RMSNorm(RoPE(q)) * head_dim^-0.5``,
+    ``k = RMSNorm(RoPE(k))``, scores unscaled. With ``AttentionConfig.bias`` the projections carry biases; the
+    norms and ``clip_qkv`` follow them, as in transformers' OLMoE. A sliding layer (``LayerKind.window``) sees
+    only its window of keys. The scores are computed by ``AttentionConfig.backend``.
+    """
+
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    config: AttentionConfig = eqx.field(static=True)
+    window: int | None = eqx.field(static=True)
+
+    def __init__(self, config: ModelConfig, layer: LayerKind, *, init: Init, key: PRNGKeyArray):
+        attention, embed = config.attention, config.embed_dim
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        biased = attention.bias != "none"
+        project = dict(role=Role.ATTENTION, in_axes=("embed",), init=init, bias=biased)
+        self.q = Linear((embed,), (heads, head_dim), out_axes=("heads", "head_dim"), key=kq, **project)
+        self.k = Linear((embed,), (kv_heads, head_dim), out_axes=("kv_heads", "head_dim"), key=kk, **project)
+        self.v = Linear((embed,), (kv_heads, head_dim), out_axes=("kv_heads", "head_dim"), key=kv, **project)
+        self.o = Linear(
+            (heads, head_dim),
+            (embed,),
+            role=Role.ATTENTION,
+            in_axes=("heads", "head_dim"),
+            out_axes=("embed",),
+            init=init,
+            key=ko,
+            bias=attention.bias == "qkvo",
+        )
+        norm = dict(eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
+        whole = attention.qk_norm_scope == "projection"
+        with_norm = attention.qk_norm != "none"
+        self.q_norm = RMSNorm(heads * head_dim if whole else head_dim, **norm) if with_norm else None
+        self.k_norm = RMSNorm(kv_heads * head_dim if whole else head_dim, **norm) if with_norm else None
+        self.config = attention
+        self.window = layer.window
+
+    def _project(
+        self, x: Float[Array, "batch seq embed"], positions: Int[Array, "batch seq"], keys: list | None
+    ) -> tuple[Array, Array, Array]:
+        """Queries ``[batch, kv_heads, group, seq, head_dim]``, keys and values ``[batch, kv_heads, seq,
+        head_dim]``: normed and rotated (queries pre-scaled with ``after_rope``)."""
+        # Flat [tokens, embed] matmuls: XLA:CPU's backward pass is much slower on split token axes.
+        batch, seq, embed = x.shape
+        flat = x.reshape(batch * seq, embed)
+        key_q, key_k, key_v = (None, None, None) if keys is None else keys[:3]
+        q = self.q(flat, key_q).reshape(batch, seq, *self.q.weight.shape[-2:])
+        k = self.k(flat, key_k).reshape(batch, seq, *self.k.weight.shape[-2:])
+        v = self.v(flat, key_v).reshape(batch, seq, *self.v.weight.shape[-2:])
+        config = self.config
+        layout, placement = config.rope_layout, config.qk_norm
+        if placement == "before_rope" and config.qk_norm_scope == "projection":
+            q, k = _whole(self.q_norm, q), _whole(self.k_norm, k)
+        elif placement == "before_rope":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if config.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -config.clip_qkv, config.clip_qkv) for t in (q, k, v))
+        rotary = config.rotary_dim or config.head_dim
+        cos, sin = rope_tables(positions, rotary, config.rope_theta, x.dtype, layout, config.rope_scaling)
+        q, k = apply_rope(q, cos, sin, layout), apply_rope(k, cos, sin, layout)
+        if placement == "after_rope":
+            q, k = scale_once(self.q_norm(q), q.shape[-1] ** -0.5), self.k_norm(k)
+        kv_heads, head_dim = k.shape[2], k.shape[3]
+        q = q.reshape(batch, seq, kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        context: Context,
+        cache: LayerCache | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], LayerCache | None]:
+        """With a cache, the new tokens' keys and values are written into slots ``context.cache_index ..`` and
+        the queries attend to every slot under ``context.mask``."""
+        keys = None if key is None else [jax.random.fold_in(key, i) for i in range(4)]
+        q, k, v = self._project(x, context.positions, keys)
+        if cache is not None:
+            start = (0, 0, context.cache_index, 0)
+            cache = LayerCache(
+                jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), start),
+                jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), start),
+            )
+            k, v = cache.keys.astype(q.dtype), cache.values.astype(q.dtype)
+        scale = 1.0 if self.config.qk_norm == "after_rope" else q.shape[-1] ** -0.5
+        out = attend(self.config, q, k, v, context.mask, scale=scale, window=self.window)
+        batch, _, _, seq, _ = q.shape
+        out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
+        return self.o(out, None if keys is None else keys[3]).reshape(batch, seq, -1), cache
+
+    @classmethod
+    def init_cache(cls, config: ModelConfig, layer: LayerKind, batch: int, max_len: int, dtype) -> LayerCache:
+        attention = config.attention
+        shape = (batch, attention.num_kv_heads, max_len, attention.head_dim)
+        return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @classmethod
+    def plan(cls, config: ModelConfig, layer: LayerKind, shape: PlanShape) -> Cost:
+        """Kept per token: the input, the projections, the output and the float32 log-sum-exp the blockwise
+        backward pass starts from; the ``dense`` backend keeps its float32 scores and probabilities too (``10 H T``
+        with what XLA keeps beside them). Blockwise attention adds once per step its float32 query-gradient
+        buffer and about one float32 ``[rows, H, B, B]`` tile. FLOPs: scores and values over the visible keys,
+        forward and backward (blockwise computes only the causal tiles, ``(n + 1) / 2n`` of ``n`` blocks, and
+        recomputes the scores in its backward pass)."""
+        attention, c = config.attention, shape.bytes
+        heads, kv, hd, d = (
+            shape.split(attention.num_heads),
+            shape.split(attention.num_kv_heads),
+            attention.head_dim,
+            config.embed_dim,
+        )
+        kept = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 4 * heads
+        keys = shape.seq if layer.window is None else min(shape.seq, layer.window)
+        blockwise = attention.backend != "dense"
+        if not blockwise:
+            return Cost(kept + 10 * heads * shape.seq, flops=12 * heads * hd * keys, cache=c * 2 * kv * hd)
+        tile = min(attention.block_size, shape.seq)
+        blocks = -(-shape.seq // tile)
+        visible = (blocks + 1) / (2 * blocks) if layer.window is None else min(1.0, (keys + tile) / shape.seq)
+        per_step = shape.tokens * 4 * heads * hd + 4 * shape.rows * heads * tile * tile
+        return Cost(kept, per_step, flops=14 * heads * hd * shape.seq * visible, cache=c * 2 * kv * hd)
+
+    @classmethod
+    def checkpoint_names(
+        cls, config: ModelConfig, layer: LayerKind, prefix: str, path: tuple, index: tuple[int, ...]
+    ) -> list[TensorName]:
+        """``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (with the biases ``AttentionConfig.bias`` gives) and the
+        ``q_norm``/``k_norm`` scales, as transformers' decoders name them."""
+        bias = config.attention.bias
+        names = []
+        for field, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+            names += linear_names(prefix + proj, (*path, field), index, bias=bias != "none")
+        names += linear_names(prefix + "o_proj", (*path, "o"), index, in_dims=2, bias=bias == "qkvo")
+        if config.attention.qk_norm != "none":
+            for norm in ("q_norm", "k_norm"):
+                names.append(TensorName(prefix + f"{norm}.weight", (*path, norm, "weight"), index))
+        return names
