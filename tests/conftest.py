@@ -1,14 +1,37 @@
 """Shared fixtures: tiny random Hugging Face Qwen3-MoE models written with ``save_pretrained``."""
 
 import gc
+import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 pytest.register_assert_rewrite("tests.hf_families")
+
+# The suite compiles hundreds of small programs that then run for milliseconds: XLA's CPU backend without its
+# LLVM optimisation passes compiles them in about two thirds of the time (measured on 2 cores) and computes the
+# same functions. Set before JAX starts its backend; inherited by the subprocesses the tests launch.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+# Many tests (and the commands they launch) compile the same programs: one compilation cache for the whole run,
+# every worker and subprocess included, removed when the run ends. A user's own cache setting is left alone.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="eqmoe-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controlling process made it
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
 
 TINY_HF = dict(
     vocab_size=97,
