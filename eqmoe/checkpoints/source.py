@@ -1,5 +1,6 @@
 """The model a command runs and the tokenizer it reads text with, from ``--hf DIR`` or ``--checkpoint DIR``: one
-way for every experiment (generate, analyze_routing, check_logits, convert).
+way for every experiment (generate, analyze_routing, check_logits, convert). A Hugging Face folder or tokenizer may
+also be a Hub id ``ORG/NAME[@REVISION]``, read from the Hub's cache (:mod:`eqmoe.data.hub`).
 
 A Hugging Face folder is read by its family (:func:`eqmoe.checkpoints.hf.load`); an eqmoe checkpoint (``convert``
 output or a training run's ``checkpoints``) by :func:`eqmoe.checkpoints.model_checkpoint.load_model`, with the
@@ -16,6 +17,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from eqmoe.data.hub import resolve_folder
 from eqmoe.model import Transformer
 
 
@@ -31,14 +33,14 @@ def load_source(
     checkpoint: str | os.PathLike | None = None,
     step: int | None = None,
     base: str | os.PathLike | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
 ) -> ModelSource:
     """The model of exactly one of ``hf_folder`` or ``checkpoint`` (``step``: default the latest; ``base``: its base
-    model where it moved), its parameters and compute in ``dtype``. ``ValueError`` / ``FileNotFoundError`` in one
-    line otherwise."""
+    model where it moved), its parameters and compute in ``dtype`` (default: as stored, which for a Hugging Face
+    folder is the dtype its ``config.json`` declares). ``ValueError`` / ``FileNotFoundError`` in one line otherwise."""
     if (hf_folder is None) == (checkpoint is None):
         raise ValueError("give one of --hf DIR (a Hugging Face folder) or --checkpoint DIR (an eqmoe checkpoint)")
-    folder = Path(hf_folder if hf_folder is not None else checkpoint)
+    folder = resolve_folder(hf_folder) if hf_folder is not None else Path(checkpoint)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: model folder not found")
     if step is not None and checkpoint is None:
@@ -65,7 +67,7 @@ def source_tokenizer(
     variables = {**(recorded.template_vars if recorded else {}), **(template_vars or {})}
     if chat_template is None and recorded is not None and recorded.chat_template:
         chat_template = recorded.chat_template
-    path = None if tokenizer is None else Path(tokenizer)
+    path = None if tokenizer is None else resolve_folder(tokenizer, files="tokenizer")
     if path is None and (source.folder / "tokenizer.json").is_file():
         path = source.folder
     if path is None and recorded is not None and recorded.tokenizer is not None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from jaxtyping import Int32, Int64
 
+from eqmoe.data.hub import resolve_folder
 from eqmoe.data.template import CHATML, ChatTemplate, folder_template, read_template_file, special_tokens
 
 PAD = "<|pad|>"
@@ -214,16 +215,16 @@ def load_tokenizer(
 ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer at ``path`` with its chat template; :class:`ByteTokenizer` when ``path`` is ``None``.
 
-    ``path`` is a folder or a ``tokenizer.json``; the folder (the file's, for a file) also gives
-    ``tokenizer_config.json`` (named special tokens, ``chat_template``), ``chat_template.jinja`` and
-    ``generation_config.json`` (``eos_token_id``: the stop ids). ``chat_template`` (a ``.jinja`` file, or a
-    ``tokenizer_config.json``) replaces the folder's template; ``template_vars`` (e.g. ``enable_thinking``)
-    are passed to every render."""
+    ``path`` is a folder, a ``tokenizer.json`` or a Hub id ``ORG/NAME[@REVISION]`` (:mod:`eqmoe.data.hub`); the
+    folder (the file's, for a file) also gives ``tokenizer_config.json`` (named special tokens, ``chat_template``),
+    ``chat_template.jinja`` and ``generation_config.json`` (``eos_token_id``: the stop ids). ``chat_template`` (a
+    ``.jinja`` file, or a ``tokenizer_config.json``) replaces the folder's template; ``template_vars`` (e.g.
+    ``enable_thinking``) are passed to every render."""
     variables = dict(template_vars or {})
     if path is None:
         template = None if chat_template is None else read_template_file(chat_template, variables)
         return ByteTokenizer(template or ChatTemplate(CHATML, "built-in ChatML", variables))
-    path = Path(path)
+    path = resolve_folder(path, files="tokenizer")
     folder, file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
     config = _read_json(folder / "tokenizer_config.json")
     variables = {**special_tokens(config), **variables}
