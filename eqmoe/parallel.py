@@ -33,7 +33,7 @@ places that need it ask :func:`current` (the expert-parallel MoE path, the shard
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,6 +251,27 @@ def abstract_sharded(tree: Any, parallelism: Parallelism) -> Any:
         tree,
         shardings,
     )
+
+
+def array_from_slices(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: Callable[[tuple[slice, ...]], np.ndarray]
+) -> jax.Array:
+    """A global array placed by ``sharding`` whose shards ``read(index)`` supplies (``index``: the global slice of one
+    device, as for ``jax.make_array_from_callback``). Unlike that function, which gathers every addressable shard on
+    the host before placing any, each distinct slice is read, placed on the devices that hold it and released before
+    the next: the host holds one slice at a time."""
+    groups: dict[tuple, tuple[tuple[slice, ...], list]] = {}
+    for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices are unhashable before Python 3.12
+        groups.setdefault(key, (index, []))[1].append(device)
+    shards = []
+    for index, devices in groups.values():
+        local = read(index)
+        placed = [jax.device_put(local, device) for device in devices]
+        jax.block_until_ready(placed)  # a transfer still in flight would keep its host slice alive
+        shards += placed
+        del local
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
 
 
 def constrain(tree: Any) -> Any:

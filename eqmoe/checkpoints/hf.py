@@ -4,6 +4,7 @@ The format of each architecture (its ``config.json`` fields and tensor names) be
 (:mod:`eqmoe.models`): a folder is read by the family its ``model_type`` names, and a model is written by
 the family its ``config.family`` names."""
 
+import functools
 import json
 import math
 import re
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqmoe import parallel
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
@@ -154,23 +156,60 @@ def _leaf_path(key_path) -> tuple[str | int, ...]:
     return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
 
 
+def _read_slice(leaf: jax.ShapeDtypeStruct, names: list[TensorName], files, index: tuple[slice, ...]) -> np.ndarray:
+    """The part ``index`` of a model leaf, in the leaf's dtype, assembled from the checkpoint tensors that overlap
+    it: a device's slice of stacked experts reads only the experts it holds."""
+    ranges = [range(*part.indices(size)) for part, size in zip(index, leaf.shape, strict=True)]
+    buffer = host_buffer(tuple(len(r) for r in ranges), leaf.dtype)
+    filled = 0
+    for name in names:
+        stacked = len(name.index)
+        if not all(i in r for i, r in zip(name.index, ranges, strict=False)):
+            continue
+        tensor = _to_model_layout(name, files[name.key].read(name.key), leaf.shape[stacked:])
+        part = tensor[index[stacked:]]  # a view of the memory-mapped file: only this slice is copied
+        buffer[tuple(i - r.start for i, r in zip(name.index, ranges, strict=False))] = part
+        filled += part.size
+    assert filled == buffer.size, f"checkpoint name map leaves part of {names[0].path if names else index} unset"
+    return buffer
+
+
+def _place(leaf: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding | None, read) -> jax.Array:
+    if sharding is None:  # on CPU an aligned buffer becomes the array without a copy
+        return jax.device_put(read(tuple(slice(None) for _ in leaf.shape)))
+    return parallel.array_from_slices(leaf.shape, sharding, read)
+
+
 def load(
-    folder: str | Path, *, dtype: str | jnp.dtype = jnp.float32, compute_dtype: str | jnp.dtype | None = None
+    folder: str | Path,
+    *,
+    dtype: str | jnp.dtype | None = None,
+    compute_dtype: str | jnp.dtype | None = None,
+    parallelism: parallel.Parallelism | None = None,
 ) -> Transformer:
     """Load a Hugging Face folder (any registered family) as a :class:`Transformer` whose parameters are ``dtype``
-    and whose forward pass computes in ``compute_dtype`` (default: ``dtype``).
+    (default: the dtype ``config.json`` declares the files hold, float32 when it declares none) and whose forward
+    pass computes in ``compute_dtype`` (default: the parameter dtype).
 
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
     needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
-    Tensors are read one at a time and each parameter's host buffer is freed once it is on the device.
+    Without ``parallelism`` each parameter is assembled on the host and put on the default device, one at a
+    time. With it, each parameter goes straight to the sharding its logical axes give it
+    (:func:`eqmoe.parallel.tree_shardings`): every device's slice is read from the files on its own (only the
+    checkpoint tensors it overlaps), so the host holds one slice at a time and no device holds more than its share.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
-    param_dtype = jnp.dtype(dtype).name
-    config = read_config(folder).replace(param_dtype=param_dtype, dtype=jnp.dtype(compute_dtype or dtype).name)
+    config = read_config(folder)
+    param_dtype = jnp.dtype(stored_dtype(folder) if dtype is None else dtype).name
+    config = config.replace(param_dtype=param_dtype, dtype=jnp.dtype(compute_dtype or param_dtype).name)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    shardings = {}
+    if parallelism is not None:
+        placement = parallel.tree_shardings(abstract, parallelism)
+        shardings = {_leaf_path(p): s for p, s in jax.tree_util.tree_leaves_with_path(placement)}
     names = _checkpoint_names(config)
     files = _weight_files(folder)
 
@@ -196,15 +235,8 @@ def load(
         by_leaf.setdefault(name.path, []).append(name)
     arrays = {}
     for path, leaf in phase_bar(leaves.items(), f"reading {folder.name}", total=len(leaves), unit="tensor"):
-        buffer = host_buffer(leaf.shape, leaf.dtype)
-        filled = 0
-        for name in by_leaf.get(path, []):
-            piece = leaf.shape[len(name.index) :]
-            buffer[name.index] = _to_model_layout(name, files[name.key].read(name.key), piece)
-            filled += math.prod(piece)
-        assert filled == buffer.size, f"checkpoint name map leaves part of {path} unset"
-        arrays[path] = jax.device_put(buffer)  # on CPU an aligned buffer becomes the array without a copy
-        del buffer
+        read = functools.partial(_read_slice, leaf, by_leaf.get(path, []), files)
+        arrays[path] = _place(leaf, shardings.get(path), read)
     return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
 
 
