@@ -80,3 +80,24 @@ def write_tokenizer_folder(folder: Path, template: str | None = None, **config) 
         settings["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     return folder
+
+
+def write_chat_model_folder(folder: Path, template: str) -> Path:
+    """A tiny transformers-saved Qwen3-MoE folder with its own BPE tokenizer (its vocabulary the model's), chat
+    template and generation settings whose stop id is not the template's end of turn."""
+    from tokenizers import Tokenizer
+
+    from tests.conftest import save_tiny_hf
+
+    write_tokenizer_folder(folder, template)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    save_tiny_hf(folder, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), num_hidden_layers=2)
+    generation = {
+        "bos_token_id": tokenizer.token_to_id("<|begin_of_text|>"),
+        "eos_token_id": tokenizer.token_to_id("<|endoftext|>"),
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder

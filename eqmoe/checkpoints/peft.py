@@ -16,6 +16,8 @@ of two parameters of one module: the first parameter (``gate_up_proj``) sits und
 
 import json
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -117,10 +119,16 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def save_adapters(
-    model: Transformer, folder: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False
+    model: Transformer,
+    folder: str | os.PathLike,
+    *,
+    base_model: str | None = None,
+    overwrite: bool = False,
+    extra_files: Sequence[Path] = (),
 ) -> Path:
     """Write ``model``'s adapters as a PEFT adapter folder (float32); ``base_model`` is recorded as
-    ``base_model_name_or_path``. Assembled under a temporary name and renamed into place."""
+    ``base_model_name_or_path``. ``extra_files`` (the tokenizer and generation files PEFT users load from the
+    adapter folder) are copied in beside the adapters. Assembled under a temporary name and renamed into place."""
     tensors, fields = adapter_state(model)
     config = {
         "peft_type": "LORA",
@@ -136,6 +144,8 @@ def save_adapters(
     }
     folder = Path(folder)
     with staged_folder(folder, overwrite=overwrite) as staging:
+        for extra in extra_files:
+            shutil.copyfile(extra, staging / Path(extra).name)
         arrays = {key: np.ascontiguousarray(value, np.float32) for key, value in tensors.items()}
         save_file(arrays, staging / ADAPTER_FILE, metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
