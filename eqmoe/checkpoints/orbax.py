@@ -16,7 +16,10 @@ is never restored (saving that step again replaces the leftover). Single-process
 """
 
 import json
+import logging
 import os
+import re
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,6 +30,54 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 LAYOUT_FORMAT = 1  # bump when the ``layout`` item changes meaning
+
+
+class UnreadableCheckpoint(ValueError):
+    """A finished step whose files cannot be read whole (truncated or missing: a full disk, a copy cut short)."""
+
+    def __init__(self, directory: Path, step: int, array: str | None, reason: str):
+        self.step, self.array = step, array
+        where = f"{directory / str(step)}" + (f", array {array}" if array else "")
+        super().__init__(f"{where}: cannot be read whole ({reason})")
+
+
+# What tensorstore says when a file is shorter than its index says or is gone; other errors are bugs.
+_DAMAGE_MARKERS = ("OUT_OF_RANGE", "DATA_LOSS", "NOT_FOUND")
+
+
+def _damage(directory: Path, step: int, error: BaseException) -> UnreadableCheckpoint | None:
+    """``error`` (or what caused it) as an :class:`UnreadableCheckpoint` when it says that a file is damaged."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(" ".join(str(seen).split()))
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(chain)
+    reason = next((marker for marker in _DAMAGE_MARKERS if marker in text), None)
+    if reason is None:
+        return None
+    array = re.search(r'Error reading "([^"/]+)', text)
+    _silence_orphaned_reads()
+    return UnreadableCheckpoint(directory, step, array.group(1) if array else None, reason)
+
+
+def _silence_orphaned_reads() -> None:
+    """A failed read leaves tensorstore's other reads of that step completing into orbax's closed event loop,
+    each reported as an unraisable ``RuntimeError('Event loop is closed')``: drop those reports, only those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orphaned_reads", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_orphaned_reads = True
+    sys.unraisablehook = hook
+    # and the futures of those reads that failed too are reported by asyncio when collected
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not any(marker in record.getMessage() for marker in _DAMAGE_MARKERS)
+    )
 
 
 def _is_array(x: Any) -> bool:
@@ -212,9 +263,15 @@ class Checkpointer:
         arrays_args = ocp.args.PyTreeRestore(
             item=target, restore_args=jax.tree.map(_restore_args, target), partial_restore=field is not None
         )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(arrays=arrays_args, metadata=ocp.args.JsonRestore())
-        )
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(arrays=arrays_args, metadata=ocp.args.JsonRestore())
+            )
+        except Exception as error:
+            damage = _damage(self.directory, step, error)
+            if damage is None:
+                raise
+            raise damage from None
         metadata = restored["metadata"]
         leaves, structure = jax.tree.flatten(restored["arrays"] if field is None else restored["arrays"][field])
         del restored  # so that _to_device holds the only reference to each host array

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -19,26 +19,41 @@ import numpy as np
 from eqmoe import parallel
 from eqmoe.checkpoints.base import BaseModel
 from eqmoe.checkpoints.model_checkpoint import changed_part, restore
-from eqmoe.checkpoints.orbax import Checkpointer
+from eqmoe.checkpoints.orbax import Checkpointer, UnreadableCheckpoint
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.config_io import architecture_differences, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
+from eqmoe.train import run_folder
 from eqmoe.train.logging import MetricsLog, Progress, plot_metrics
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import TrainState, abstract_state, hold_frozen, init_state
 from eqmoe.train.step import device_batch, make_train_step
-from eqmoe.train.tracking import TrackerName, Trackers, start_trackers
+from eqmoe.train.tracking import TrackerOptions, Trackers, start_trackers
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class OutputOptions:
+    out_dir: Path = Path("runs/train")
+    """The output folder: everything the command writes goes here (its description lists what)."""
+
+
+@dataclass(frozen=True)
+class RunOptions(OutputOptions, TrackerOptions):
+    # how long, how often and where it reports may change when a run is resumed; the seed may not
+    changeable_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {"steps", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "tracker", "wandb_project"}
+    )
+
     steps: int = 1600
     """Total optimizer steps of the run (a resumed run continues up to this)."""
-    out_dir: Path = Path("runs/train")
-    """Where metrics, plots, checkpoints and the summary go."""
     resume: bool = False
-    """Continue from the latest checkpoint in --out-dir."""
+    """Continue the run in --out-dir from its latest readable checkpoint, with its stored arguments (flags given
+    again may change how it executes: steps, dtype, remat, dispatch, mesh, logging, trackers)."""
+    resume_from: int | None = None
+    """With --resume: continue from this checkpoint step (later steps are moved to checkpoints-set-aside/)."""
+    overwrite: bool = False
+    """Replace what is already at the output (the run in --out-dir, or the output folder) instead of refusing."""
     checkpoint_every: int = 400
     """Save a checkpoint every N steps (and at the end)."""
     keep_checkpoints: int = 2
@@ -49,11 +64,6 @@ class RunOptions:
     """Write a metrics.jsonl line and update the progress display every N steps."""
     seed: int = 0
     """Seed for the parameters, the built-in data and the data order."""
-    tracker: tuple[TrackerName, ...] = ("jsonl",)
-    """Where metrics go besides metrics.jsonl (always written): tensorboard (event files in OUT_DIR/tensorboard),
-    wandb (W&B; WANDB_MODE=offline works without a network)."""
-    wandb_project: str = "eqmoe"
-    """W&B project of --tracker wandb."""
 
     def check(self) -> None:
         """A ``ValueError`` naming the first option that is not a positive number."""
@@ -61,6 +71,14 @@ class RunOptions:
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value} is invalid; allowed: a positive number")
+        if self.resume_from is not None and not self.resume:
+            raise ValueError(f"--resume-from {self.resume_from}: goes with --resume")
+        if self.resume and self.overwrite:
+            raise ValueError("give --resume (continue the run in --out-dir) or --overwrite (replace it), not both")
+
+    def claim_out_dir(self) -> None:
+        """Refuse to start a new run in a folder that holds one (see :mod:`eqmoe.train.run_folder`)."""
+        run_folder.claim(self.out_dir, resume=self.resume, overwrite=self.overwrite)
 
 
 class TrainResult(NamedTuple):
@@ -122,32 +140,40 @@ def _check_same_base(stored: BaseModel | None, now: BaseModel | None, out_dir: P
     )
 
 
-def _int(value) -> int:
-    return int(parallel.to_host(value))
+def _resume_steps(checkpointer: Checkpointer, options: RunOptions) -> list[int]:
+    """The steps to try, newest first: every finished step, or ``--resume-from`` and older ones (newer steps are
+    set aside, since a run continued from an older step saves those step numbers again)."""
+    steps = checkpointer.all_steps()
+    if options.resume_from is None:
+        return steps[::-1]
+    if options.resume_from not in steps:
+        raise FileNotFoundError(f"--resume-from {options.resume_from}: no such step in {checkpointer.directory}")
+    for step in steps:
+        if step > options.resume_from:
+            moved = run_folder.set_aside(checkpointer.directory, step)
+            print(f"--resume-from {options.resume_from}: step {step} moved to {moved}", file=sys.stderr)
+    return [step for step in steps[::-1] if step <= options.resume_from]
 
 
-def _train(
-    model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments
-) -> TrainResult:
-    options.check()
-    config, out_dir = model.config, options.out_dir
-    params = eqx.filter(model, eqx.is_array)
-    optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
-    trained = trained_roles(optimizer_config, params)
-    model = hold_frozen(model, trained)
-    key = jax.random.key(options.seed + 1)
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
-    latest = checkpointer.latest_step() if options.resume else None
-    if options.resume and latest is None:
-        print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}; starting from step 0", file=sys.stderr)
-    if latest is not None:
-        # Only the architecture must match: the execution and objective fields of the new config apply
-        # from here on (the restore target is built from the new model, so the restored model carries
-        # its config, and the next checkpoints store it).
-        stored = RunMetadata.from_json(checkpointer.metadata(latest), str(out_dir / "checkpoints"))
+def _resumed_state(checkpointer, options, model, optimizer, key, metadata, parallelism, trained):
+    """``(state, step)`` restored from the newest readable checkpoint with ``--resume``; ``(None, None)`` to start.
+
+    A step that cannot be read whole (a file truncated by a full disk or a cut copy) is reported in one line, set
+    aside and the next older step is tried. Only the architecture must match: the execution and objective fields
+    of the new config apply from here on (the restore target is built from the new model, so the restored model
+    carries its config, and the next checkpoints store it)."""
+    out_dir, config = options.out_dir, model.config
+    steps = _resume_steps(checkpointer, options) if options.resume else []
+    if options.resume and not steps:
+        print(f"--resume: no checkpoint in {checkpointer.directory}; starting from step 0", file=sys.stderr)
+    for step in steps:
+        try:
+            stored = RunMetadata.from_json(checkpointer.metadata(step), str(checkpointer.directory))
+        except UnreadableCheckpoint as error:
+            _set_aside_damaged(checkpointer, step, error)
+            continue
         differences = architecture_differences(stored.config, config)
         if differences:
-            checkpointer.close()
             raise ValueError(
                 f"--resume: the checkpoint in {out_dir} has a different architecture: "
                 + format_differences(differences, "checkpoint", "now")
@@ -158,11 +184,50 @@ def _train(
             target = parallel.abstract_sharded(target, parallelism)
         # Leaves a checkpoint of a run with a base folder leaves out (frozen weights) come from the base.
         fill = eqx.tree_at(lambda s: s.model, target, parallel.shard(model, parallelism))
-        state = restore(checkpointer, latest, target, fill=fill)
+        try:
+            state = restore(checkpointer, step, target, fill=fill)
+        except UnreadableCheckpoint as error:
+            _set_aside_damaged(checkpointer, step, error)
+            continue
         state = eqx.tree_at(lambda s: s.model, state, hold_frozen(state.model, trained))
         assert state.model.config == config, "the restored model must carry the new config"
-        print(f"resumed from step {latest}", file=sys.stderr)
-    else:
+        print(f"resumed from step {step}", file=sys.stderr)
+        return state, step
+    if steps:
+        raise ValueError(f"--resume: no checkpoint in {checkpointer.directory} can be read (all set aside)")
+    return None, None
+
+
+def _set_aside_damaged(checkpointer: Checkpointer, step: int, error: UnreadableCheckpoint) -> None:
+    moved = run_folder.set_aside(checkpointer.directory, step)
+    array = f" (array {error.array} cannot be read whole)" if error.array else ""
+    message = f"--resume: checkpoint step {step} is damaged{array}; moved to {moved}; trying the step before"
+    print(message, file=sys.stderr)
+
+
+def _int(value) -> int:
+    return int(parallel.to_host(value))
+
+
+def _train(
+    model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments
+) -> TrainResult:
+    options.check()
+    optimizer_config = optimizer_config.for_run(options.steps)
+    config, out_dir = model.config, options.out_dir
+    params = eqx.filter(model, eqx.is_array)
+    optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
+    trained = trained_roles(optimizer_config, params)
+    model = hold_frozen(model, trained)
+    key = jax.random.key(options.seed + 1)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
+    try:
+        options.claim_out_dir()
+        state, latest = _resumed_state(checkpointer, options, model, optimizer, key, metadata, parallelism, trained)
+    except BaseException:
+        checkpointer.close()
+        raise
+    if state is None:
         state = init_state(model, optimizer, key=key, parallelism=parallelism)
     del model
     start = _int(state.step)
@@ -180,6 +245,8 @@ def _train(
         checkpointer.close()
         raise
     metrics = MetricsLog(out_dir / "metrics.jsonl", truncate_after_step=resumed_at, primary=primary)
+    if primary and arguments is not None:
+        run_folder.write_arguments(out_dir, arguments)
     try:
         return _steps(
             state,

@@ -14,9 +14,10 @@ roles in ``freeze``; everything but the adapters of a LoRA model) get no update 
 Every mask reads the :class:`eqmoe.nn.Role` each parameter declares.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,17 +36,17 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule.
 
     The schedule warms up linearly from 0 over ``warmup_steps`` and then follows a cosine to
-    ``learning_rate * final_lr_ratio`` at ``decay_steps`` (``None``: constant after warmup). It does
-    not depend on how many steps a run is asked for, so a run extended with ``--resume`` follows
-    exactly the schedule of one long run.
+    ``learning_rate * final_lr_ratio`` at ``decay_steps`` (``None``: constant after warmup; ``"steps"``: at the
+    run's last step, so a run extended with ``--resume`` changes its schedule from there, while a number keeps
+    it: one long run's schedule).
     """
 
-    learning_rate: float = 3e-4
-    """Peak learning rate."""
+    learning_rate: float | None = 3e-4
+    """Peak learning rate (None: the command's default for the starting model, which it reports)."""
     warmup_steps: int = 100
     """Linear warmup from 0 to the peak."""
-    decay_steps: int | None = None
-    """Step at which the cosine reaches its end value (None: constant after warmup)."""
+    decay_steps: int | Literal["steps"] | None = None
+    """Step at which the cosine reaches its end value (None: constant after warmup; steps: the run's --steps)."""
     final_lr_ratio: float = 0.1
     """End of the cosine as a fraction of the peak."""
     b1: float = 0.9
@@ -65,11 +66,13 @@ class OptimizerConfig:
     mup_base_dim: int | None = None
     """mup-simple: scale matrix updates by min(mup_base_dim / embed_dim, 1) (None: off)."""
     freeze: tuple[str, ...] = ()
-    """Parameter roles left untrained (no gradient, no optimizer state), e.g. router,embedding. A model with
+    """Parameter roles left untrained (no gradient, no optimizer state), e.g. --freeze router embedding. A model with
     LoRA adapters trains its adapters only."""
 
     def __post_init__(self):
-        _positive("OptimizerConfig", learning_rate=self.learning_rate, eps=self.eps)
+        if self.learning_rate is not None:
+            _positive("OptimizerConfig", learning_rate=self.learning_rate)
+        _positive("OptimizerConfig", eps=self.eps)
         _check(self.warmup_steps >= 0, "OptimizerConfig", "warmup_steps", self.warmup_steps, "an integer >= 0")
         _check(0 <= self.final_lr_ratio <= 1, "OptimizerConfig", "final_lr_ratio", self.final_lr_ratio, "0..1")
         for name in ("b1", "b2"):
@@ -77,7 +80,7 @@ class OptimizerConfig:
         _check(self.weight_decay >= 0, "OptimizerConfig", "weight_decay", self.weight_decay, "a number >= 0")
         if self.clip_norm is not None:
             _positive("OptimizerConfig", clip_norm=self.clip_norm)
-        if self.decay_steps is not None:
+        if self.decay_steps not in (None, "steps"):
             _positive("OptimizerConfig", decay_steps=self.decay_steps)
         if self.mup_base_dim is not None:
             _positive("OptimizerConfig", mup_base_dim=self.mup_base_dim)
@@ -85,6 +88,15 @@ class OptimizerConfig:
             if _ALIASES.get(name, name) not in FREEZABLE:
                 allowed = " | ".join(FREEZABLE)
                 raise ValueError(f"OptimizerConfig.freeze: {name!r} is not a role; allowed: {allowed}")
+
+    def for_run(self, steps: int, learning_rate: float | None = None) -> "OptimizerConfig":
+        """This config for a run of ``steps`` steps: ``decay_steps="steps"`` becomes ``steps`` and an unset learning
+        rate ``learning_rate``."""
+        return dataclasses.replace(
+            self,
+            decay_steps=steps if self.decay_steps == "steps" else self.decay_steps,
+            learning_rate=self.learning_rate if self.learning_rate is not None else learning_rate,
+        )
 
     def frozen_roles(self) -> frozenset[Role]:
         return frozenset(Role(_ALIASES.get(name, name)) for name in self.freeze)
@@ -111,6 +123,8 @@ def envy_optimizer(embed_dim: int) -> OptimizerConfig:
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
+    if config.learning_rate is None or config.decay_steps == "steps":
+        raise ValueError("OptimizerConfig: learning_rate or decay_steps unresolved (see OptimizerConfig.for_run)")
     if config.decay_steps is None:
         return optax.join_schedules(
             [

@@ -10,10 +10,20 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb"]
+
+
+@dataclass(frozen=True)
+class TrackerOptions:
+    tracker: tuple[TrackerName, ...] = ("jsonl",)
+    """Where metrics go besides metrics.jsonl (always written): tensorboard (event files in OUT_DIR/tensorboard),
+    wandb (W&B; WANDB_MODE=offline works without a network)."""
+    wandb_project: str = "eqmoe"
+    """W&B project of --tracker wandb."""
 
 
 @runtime_checkable
