@@ -3,10 +3,16 @@
     python -m experiments.ablate                                  # the default grid, ~9 min on 2 CPU cores
     python -m experiments.ablate --variants baseline switch-top1  # a subset
     python -m experiments.ablate --steps 1000 --out-dir runs/ablate-long
+    python -m experiments.ablate --data notes.txt --tokenizer DIR --import my_router --variants-file v.json
 
-A variant is a named set of config overrides on the base (``--preset`` plus :data:`BASE_OVERRIDES`);
-add one with one line in :data:`VARIANTS`. Each variant is an ``experiments.pretrain`` run in
-``--out-dir/NAME``: a variant with a ``summary.json`` is skipped, and one that was interrupted resumes
+A variant is a named set of config overrides on the base (``--preset``, or the model of ``--init-from-hf`` /
+``--init-from-checkpoint``, plus :data:`BASE_OVERRIDES`); add one with one line in :data:`VARIANTS`, or in a
+``--variants-file``: a JSON object ``{"name": {"field.path": value}}`` (with one and no ``--variants``,
+``baseline`` and the file's variants run). ``--import MODULE`` is imported before any variant is checked, so a
+router strategy (or any part) it registers can be named there. ``--data`` and ``--tokenizer`` are pretrain's.
+Every variant is checked before any trains: a bad field or value names its variant. Each variant is an
+``experiments.pretrain`` run in ``--out-dir/NAME``: a variant with a ``summary.json`` is skipped (refused if
+it finished with other overrides), and one that was interrupted resumes
 from its last checkpoint. Outputs: ``results.md`` (the table and, per row, the ``pretrain`` command
 that reproduces it), ``results.json`` (every figure, per layer too, and each variant's overrides),
 ``eval_loss.png`` (eval loss against tokens seen) and ``load_balance.png`` (load CV per variant and layer).
@@ -14,6 +20,7 @@ that reproduces it), ``results.json`` (every figure, per layer too, and each var
 
 import dataclasses
 import json
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -22,11 +29,13 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from eqmoe.config_io import format_override
+from eqmoe.config_io import format_override, parse_override
 from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
-from eqmoe.train.tracking import TrackerName
+from eqmoe.train.loop import OutputOptions
+from eqmoe.train.tracking import TrackerOptions
 from experiments import pretrain
 from experiments._cli import UsageError, guarded
+from experiments.options import MeshOptions, ShapeOptions, StartOptions, TokenizerOption, import_modules
 
 # Every variant starts from these; a stronger load-balance loss than HF's 0.001 default so that turning
 # it off is a visible change within a short run.
@@ -71,19 +80,17 @@ VARIANTS: dict[str, dict[str, object]] = {
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(StartOptions, ShapeOptions, TokenizerOption, MeshOptions, TrackerOptions, OutputOptions):
+    """Every variant starts from the same model (``--preset`` or ``--init-from-*``, with ``--override``) and trains
+    on the same data; the variants differ only in their own overrides."""
+
     variants: tuple[str, ...] = ()
-    """Variants to run, by name (default: all of VARIANTS)."""
+    """Variants to run, by name (default: all of VARIANTS; with --variants-file, baseline and the file's)."""
+    variants_file: Path | None = None
+    """More variants: a JSON object {"name": {"field.path": value}}, e.g. {"top1": {"moe.router.top_k": 1}}."""
     out_dir: Path = Path("runs/ablate")
-    """Results go here; each variant's run in OUT_DIR/NAME."""
-    preset: str = "qwen3-moe-micro"
-    """Base model preset."""
     steps: int = 300
     """Optimizer steps per variant."""
-    batch_size: int = 16
-    """Rows per step."""
-    seq_len: int = 128
-    """Tokens per row."""
     learning_rate: float = 3e-3
     """Peak learning rate (50 warmup steps, cosine to a tenth at the last step)."""
     eval_every: int = 50
@@ -92,35 +99,104 @@ class Args:
     """Checkpoint every N steps: at most this many steps are redone after an interruption."""
     seed: int = 0
     """Seed for parameters, data and data order, the same for every variant."""
+    data: tuple[Path, ...] = ()
+    """Text files (one document each) or JSONL files of {"text", "domain"} (default: the built-in corpus)."""
     chars_per_domain: int = 400_000
     """Built-in corpus: training characters of each domain."""
     eval_chars_per_domain: int = 10_000
     """Built-in corpus: held-out characters of each domain."""
-    mesh: str | None = None
-    """Device mesh for every variant, e.g. data=2,expert=4 (default: one device)."""
-    tracker: tuple[TrackerName, ...] = ("jsonl",)
-    """Trackers of every variant's run besides metrics.jsonl: tensorboard, wandb (one run per variant)."""
-    wandb_project: str = "eqmoe-ablate"
-    """W&B project of --tracker wandb."""
+
+
+# Inputs of a run that may be left unset; unset, they are left out of the settings, so an output folder written
+# before they existed keeps its settings.
+_OPTIONAL_INPUTS = {
+    "data": (),
+    "tokenizer": None,
+    "init_from_hf": None,
+    "init_from_checkpoint": None,
+    "override": (),
+    "dtype": "float32",
+    "remat": "none",
+}
 
 
 def settings(args: Args) -> dict:
     """What every variant shares; an output folder holds results of one setting only."""
     fields = dataclasses.asdict(args)
-    views = ("variants", "out_dir", "mesh", "tracker", "wandb_project")
-    return {name: value for name, value in fields.items() if name not in views}
+    views = {f.name for f in dataclasses.fields(MeshOptions) + dataclasses.fields(TrackerOptions)}
+    views |= {"variants", "out_dir", "variants_file", "import_modules"}
+    kept = {
+        name: value
+        for name, value in fields.items()
+        if name not in views and not (name in _OPTIONAL_INPUTS and value == _OPTIONAL_INPUTS[name])
+    }
+    return json.loads(json.dumps(kept, default=str))  # as ablation.json reads back: paths as text, lists
 
 
-def pretrain_args(args: Args, name: str) -> pretrain.Args:
-    """The ``experiments.pretrain`` arguments of variant ``name``."""
-    overrides = {**BASE_OVERRIDES, **VARIANTS[name]}
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # it names the variant's folder
+
+
+def read_variants_file(path: Path) -> dict[str, dict[str, object]]:
+    """``--variants-file``: variant name -> {field path: value}; its shape is checked here, its fields and values
+    by :func:`check_variants`."""
+    where = f"--variants-file {path}"
+    try:
+        table = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{where}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{where}: not valid JSON ({error})") from None
+    example = '{"top1": {"moe.router.top_k": 1}}'
+    if not isinstance(table, dict) or not table:
+        raise UsageError(f"{where}: expected a non-empty JSON object of variant name -> overrides, e.g. {example}")
+    for name, overrides in table.items():
+        if not _VARIANT_NAME.fullmatch(name):
+            raise UsageError(f"{where}: variant name {name!r} is invalid; allowed: letters, digits, '.', '_', '-'")
+        if name in VARIANTS:
+            raise UsageError(f"{where}: variant {name!r} is built in (experiments/ablate.py); give yours another name")
+        if not isinstance(overrides, dict):
+            raise UsageError(
+                f"{where}: variant {name!r}: expected an object of field path -> value, got {json.dumps(overrides)}"
+            )
+    return table
+
+
+def variant_table(args: Args) -> dict[str, dict[str, object]]:
+    """Every variant by name: :data:`VARIANTS` and those of ``--variants-file``."""
+    return {**VARIANTS, **(read_variants_file(args.variants_file) if args.variants_file is not None else {})}
+
+
+def chosen_variants(args: Args, table: dict[str, dict[str, object]]) -> list[str]:
+    """``--variants``; by default every built-in variant, or with a variants file ``baseline`` and the file's."""
+    unknown = [name for name in args.variants if name not in table]
+    if unknown:
+        raise UsageError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(table)}")
+    if args.variants:
+        return list(args.variants)
+    if args.variants_file is None:
+        return list(VARIANTS)
+    return ["baseline", *(name for name in table if name not in VARIANTS)]
+
+
+def pretrain_args(args: Args, name: str, table: dict[str, dict[str, object]] | None = None) -> pretrain.Args:
+    """The ``experiments.pretrain`` arguments of variant ``name`` (of ``table``, default :data:`VARIANTS`)."""
+    overrides = {**BASE_OVERRIDES, **(VARIANTS if table is None else table)[name]}
     defaults = pretrain.Args()
     return pretrain.Args(
         model=dataclasses.replace(
-            defaults.model, preset=args.preset, override=tuple(format_override(k, v) for k, v in overrides.items())
+            defaults.model,
+            preset=args.preset,
+            override=args.override + tuple(format_override(k, v) for k, v in overrides.items()),
+            dtype=args.dtype,
+            remat=args.remat,
+            init_from_hf=args.init_from_hf,
+            init_from_checkpoint=args.init_from_checkpoint,
+            import_modules=args.import_modules,
         ),
         data=dataclasses.replace(
             defaults.data,
+            data=args.data,
+            tokenizer=args.tokenizer,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             chars_per_domain=args.chars_per_domain,
@@ -143,8 +219,12 @@ def pretrain_args(args: Args, name: str) -> pretrain.Args:
             tracker=args.tracker,
             wandb_project=args.wandb_project,
         ),
-        parallel=dataclasses.replace(defaults.parallel, mesh=args.mesh),
+        parallel=MeshOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MeshOptions)}),
     )
+
+
+# Options given once per item under a name of their own (experiments.options.ImportModules).
+_REPEATED_FLAGS = {"import_modules": "--import"}
 
 
 def command(args: pretrain.Args) -> str:
@@ -158,7 +238,9 @@ def command(args: pretrain.Args) -> str:
             if chosen == getattr(default, option.name):
                 continue
             flag = "--" + option.name.replace("_", "-")
-            if isinstance(chosen, bool):
+            if option.name in _REPEATED_FLAGS:
+                words += [word for item in chosen for word in (_REPEATED_FLAGS[option.name], str(item))]
+            elif isinstance(chosen, bool):
                 words.append(flag if chosen else "--no-" + flag[2:])
             elif isinstance(chosen, tuple):
                 words += [flag, *map(str, chosen)]
@@ -167,13 +249,13 @@ def command(args: pretrain.Args) -> str:
     return shlex.join(words)
 
 
-def _variant_record(name: str, args: pretrain.Args, summary: dict) -> dict:
+def _variant_record(args: pretrain.Args, summary: dict, overrides: dict[str, object]) -> dict:
     records = [json.loads(line) for line in (args.run.out_dir / "metrics.jsonl").read_text().splitlines() if line]
     tokens_per_step = args.data.batch_size * args.data.seq_len
     curve = [[r["step"] * tokens_per_step, r["eval_loss"]] for r in records if "eval_loss" in r]
     return {
-        "overrides": VARIANTS[name],
-        "all_overrides": {**BASE_OVERRIDES, **VARIANTS[name]},
+        "overrides": overrides,
+        "all_overrides": {**BASE_OVERRIDES, **overrides},
         "command": command(args),
         "eval_loss": summary["eval_loss"],
         "final_train_loss": summary["final_loss"],
@@ -198,12 +280,24 @@ def results_table(results: dict) -> str:
     """``results.md``: one row per variant, then the command reproducing each."""
     base = results["variants"].get("baseline", {}).get("eval_loss")
     run = results["settings"]
+    start = run.get("init_from_hf") or run.get("init_from_checkpoint")
+    quoted = lambda items: ", ".join(f"`{item}`" for item in items)  # noqa: E731
+    inputs = [
+        f"{label}: {quoted(items)}."
+        for label, items in (
+            ("Data", run.get("data", [])),
+            ("Tokenizer", [run["tokenizer"]] if "tokenizer" in run else []),
+            ("Imported modules", results.get("imports", [])),
+        )
+        if items
+    ]
+    model = f"from `{start}`" if start else f"on {run['preset']}"
     lines = [
-        f"# Ablation on {run['preset']}: {run['steps']} steps x {run['batch_size']} x {run['seq_len']} tokens, "
-        f"seed {run['seed']}",
+        f"# Ablation {model}: {run['steps']} steps x {run['batch_size']} x {run['seq_len']} tokens, seed {run['seed']}",
         "",
         f"Base overrides: `{json.dumps(BASE_OVERRIDES)}`. Routing figures are on the held-out set at the end, averaged "
         "over MoE layers; NMI is the normalised mutual information of expert choice and data domain.",
+        *(["", " ".join(inputs)] if inputs else []),
         "",
         "| variant | eval loss | vs baseline | load CV | max/min load | dropped | router entropy | domain NMI "
         "| tok/s |",
@@ -258,11 +352,38 @@ def plot_results(results: dict, out_dir: Path) -> None:
         save_figure(figure, out_dir / "load_balance.png")
 
 
+def _as_recorded(overrides: dict[str, object]) -> dict[str, object]:
+    """``overrides`` as a pretrain summary records them (through their ``FIELD.PATH=VALUE`` text)."""
+    return dict(parse_override(format_override(path, value)) for path, value in overrides.items())
+
+
+def check_variants(args: Args, table: dict[str, dict[str, object]], names: list[str]) -> None:
+    """Build the config of every variant to run and of every variant in the file, before any trains: a bad field
+    or value, or one that would reshape a loaded model, is a ``UsageError`` naming the variant. A variant that
+    finished before must have finished with its overrides of now (else its row would report another run)."""
+    start = pretrain.start_config(pretrain_args(args, "baseline", table).model)
+    for name in dict.fromkeys([*names, *(name for name in table if name not in VARIANTS)]):
+        variant = pretrain_args(args, name, table)
+        try:
+            pretrain.model_config(variant.model, start)
+        except (ValueError, UsageError) as error:
+            where = "" if name in VARIANTS else f"--variants-file {args.variants_file}: "
+            raise UsageError(f"{where}variant {name!r}: {error}") from None
+        summary_path = variant.run.out_dir / "summary.json"
+        if name in names and summary_path.is_file():
+            recorded = json.loads(summary_path.read_text()).get("overrides")
+            if recorded != _as_recorded({**BASE_OVERRIDES, **table[name]}):
+                raise UsageError(
+                    f"variant {name!r} finished in {variant.run.out_dir} with other overrides {json.dumps(recorded)} "
+                    f"(now {json.dumps(table[name])} on the base); rename it, or use another --out-dir"
+                )
+
+
 def run(args: Args) -> dict:
-    unknown = [name for name in args.variants if name not in VARIANTS]
-    if unknown:
-        raise UsageError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    names = list(args.variants) or list(VARIANTS)
+    import_modules(args.import_modules)  # before any config is checked: what it registers is nameable
+    table = variant_table(args)
+    names = chosen_variants(args, table)
+    check_variants(args, table, names)
     settings_path = args.out_dir / "ablation.json"
     if settings_path.is_file() and json.loads(settings_path.read_text()) != settings(args):
         raise UsageError(
@@ -273,19 +394,24 @@ def run(args: Args) -> dict:
     previous = json.loads(results_path.read_text())["variants"] if results_path.is_file() else {}
     variants = {}
     for number, name in enumerate(names, start=1):
-        variant_args = pretrain_args(args, name)
+        variant_args = pretrain_args(args, name, table)
         summary_path = variant_args.run.out_dir / "summary.json"
         if summary_path.is_file():
             print(f"[{number}/{len(names)}] {name}: finished before, skipped", file=sys.stderr)
             summary = json.loads(summary_path.read_text())
         else:
-            print(f"[{number}/{len(names)}] {name}: {json.dumps(VARIANTS[name])}", file=sys.stderr)
+            print(f"[{number}/{len(names)}] {name}: {json.dumps(table[name])}", file=sys.stderr)
             interrupted = (variant_args.run.out_dir / "checkpoints").is_dir()
             summary = pretrain.run(
                 dataclasses.replace(variant_args, run=dataclasses.replace(variant_args.run, resume=interrupted))
             )
-        variants[name] = _variant_record(name, variant_args, summary)
-    results = {"settings": settings(args), "base_overrides": BASE_OVERRIDES, "variants": {**previous, **variants}}
+        variants[name] = _variant_record(variant_args, summary, table[name])
+    results = {
+        "settings": settings(args),
+        "base_overrides": BASE_OVERRIDES,
+        "imports": list(args.import_modules),
+        "variants": {**previous, **variants},
+    }
     write_json_atomic(results_path, results)
     (args.out_dir / ".results.md.tmp").write_text(results_table(results))
     (args.out_dir / ".results.md.tmp").replace(args.out_dir / "results.md")

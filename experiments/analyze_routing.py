@@ -38,22 +38,14 @@ from eqmoe.data.corpus import EVAL_CHARS_PER_DOMAIN, load_documents, pack_docume
 from eqmoe.data.packing import PackedRows
 from eqmoe.model import Transformer
 from eqmoe.train.logging import save_figure, write_json_atomic
+from eqmoe.train.loop import OutputOptions
 from experiments._cli import UsageError, guarded
+from experiments.options import DtypeOption, JsonOptions, ModelSourceOptions, ShapeOptions, TokenizerOption
 
 
 @dataclass(frozen=True)
-class Args:
-    checkpoint: Path | None = None
-    """eqmoe checkpoint folder (experiments.convert output, or a training run's checkpoints folder)."""
-
-    step: int | None = None
-    """With --checkpoint: the step to load (default: the latest)."""
-
-    hf: Path | None = None
-    """Hugging Face model folder (config.json + safetensors), instead of --checkpoint."""
-
-    tokenizer: Path | None = None
-    """Tokenizer folder or tokenizer.json (default: the model folder's, the run's, else bytes)."""
+class Args(ModelSourceOptions, TokenizerOption, ShapeOptions, DtypeOption, JsonOptions, OutputOptions):
+    batch_size: int = 8
 
     data: tuple[Path, ...] = ()
     """Text files (one document each) or JSONL files of {"text", "domain"} (default: the built-in corpus)."""
@@ -64,20 +56,9 @@ class Args:
     tokens: int = 8192
     """Token budget: rows are taken until they hold at least this many real tokens (or the data runs out)."""
 
-    batch_size: int = 8
-    """Rows per forward pass."""
-
-    seq_len: int = 128
-    """Tokens per packed row."""
-
     out_dir: Path = Path("runs/routing")
-    """Where routing.json, the plots and the trace go."""
-
     trace: Literal["jsonl", "parquet"] | None = None
     """Also write the router trace, one row per (token, MoE layer), as trace.jsonl or trace.parquet."""
-
-    json: bool = False
-    """Print routing.json instead of the human-readable summary."""
 
     top_n: int = 10
     """Token ids listed per expert (and most frequent token ids listed)."""
@@ -87,9 +68,6 @@ class Args:
 
     show_experts: int = 4
     """Experts whose top token ids the summary prints (the most token-specialised of the last MoE layer)."""
-
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype."""
 
     seed: int = 0
     """Seed of the row order (and of the built-in corpus)."""
@@ -330,7 +308,9 @@ def print_summary(summary: dict, args: Args) -> None:
 
 def run(args: Args) -> dict:
     _check(args)
-    source = load_source(hf_folder=args.hf, checkpoint=args.checkpoint, step=args.step, dtype=args.dtype)
+    source = load_source(
+        hf_folder=args.hf, checkpoint=args.checkpoint, step=args.step, base=args.base, dtype=args.dtype
+    )
     model, folder = source.model, source.folder
     tokenizer = source_tokenizer(source, args.tokenizer, chat=False, bytes_if_none=True)
     if tokenizer.vocab_size > model.config.vocab_size:

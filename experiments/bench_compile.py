@@ -1,6 +1,6 @@
 """How the compile time of a training step grows with depth, scanned (``lax.scan``) versus unrolled.
 
-    python -m experiments.bench_compile --layers 4 48 --batch 2 --seq 64 --out compile.json
+    python -m experiments.bench_compile --layers 4 48 --batch-size 2 --seq-len 64 --json-out compile.json
     python -m experiments.bench_compile --layers 4 48 --window 16        # sliding and full layers alternating
 
 For each depth, builds ``qwen3-moe-tiny`` with that many MoE layers (shapes only, via
@@ -15,38 +15,29 @@ from the per-layer list are one scan over ``layers / 2`` repeats of a two-layer 
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import tyro
 
-from eqmoe import presets
 from eqmoe.config import LayerKind, ModelConfig, segments
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
+from experiments.options import JsonFileOptions, PresetOptions, ShapeOptions
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(PresetOptions, ShapeOptions, JsonFileOptions):
+    preset: str = "qwen3-moe-tiny"
+    batch_size: int = 2
+    seq_len: int = 64
+
     layers: tuple[int, ...] = (4, 48)
     """Depths to compare (number of MoE layers); the ratio is last / first."""
 
-    batch: int = 2
-    """Batch size of the token input."""
-
-    seq: int = 64
-    """Sequence length of the token input."""
-
-    preset: str = "qwen3-moe-tiny"
-    """Preset giving the width; only its ``layers`` is replaced."""
-
     window: int | None = None
     """Alternate sliding layers of this window with full ones (default: every layer full)."""
-
-    out: Path | None = None
-    """Write the results as JSON to this path."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +72,7 @@ def time_compile(config: ModelConfig, batch: int, seq: int) -> tuple[float, floa
 
 
 def main(args: Args) -> int:
-    base = presets.get(args.preset)
+    base = args.preset_config()
 
     def config(layers: int, scan: bool) -> ModelConfig:
         if args.window is None:
@@ -91,9 +82,9 @@ def main(args: Args) -> int:
         unit = (LayerKind(ffn="moe", window=args.window), LayerKind(ffn="moe"))
         return base.replace(layers=unit * (layers // 2), scan_layers=scan)
 
-    time_compile(config(min(args.layers), True), args.batch, args.seq)  # warm-up: backend start, caches
+    time_compile(config(min(args.layers), True), args.batch_size, args.seq_len)  # warm-up: backend start, caches
     timings = [
-        Timing(layers, scan, *time_compile(config(layers, scan), args.batch, args.seq))
+        Timing(layers, scan, *time_compile(config(layers, scan), args.batch_size, args.seq_len))
         for scan in (True, False)
         for layers in args.layers
     ]
@@ -103,7 +94,7 @@ def main(args: Args) -> int:
     units = ", ".join(
         f"{len(s.unit)}-layer unit x {s.repeats}" for s in segments(config(max(args.layers), True).layers)
     )
-    print(f"{args.preset}, batch {args.batch}, seq {args.seq}, backend {backend}, jax {jax.__version__}")
+    print(f"{args.preset}, batch {args.batch_size}, seq {args.seq_len}, backend {backend}, jax {jax.__version__}")
     print(f"layers: {pattern}; {max(args.layers)} layers scan as {units}")
     print(f"{'mode':<9} {'layers':>6} {'lower s':>8} {'compile s':>10} {'total s':>8} {'hlo lines':>10}")
     for t in timings:
@@ -118,19 +109,19 @@ def main(args: Args) -> int:
         ratios[mode] = by_depth[last].total_s / by_depth[first].total_s
         print(f"ratio {last}/{first} total time, {mode}: {ratios[mode]:.2f}x")
 
-    if args.out is not None:
+    if args.json_out is not None:
         results = [{**asdict(t), "total_s": t.total_s} for t in timings]
         report = {
             "preset": args.preset,
             "window": args.window,
-            "batch": args.batch,
-            "seq": args.seq,
+            "batch": args.batch_size,
+            "seq": args.seq_len,
             "backend": backend,
             "jax": jax.__version__,
             "results": results,
             f"ratio_{last}_over_{first}": ratios,
         }
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import tyro
 
+from experiments.options import JsonFileOptions
+
 
 @dataclass(frozen=True)
-class Args:
+class Args(JsonFileOptions):
     gigabytes: float = 4.0
     """Approximate checkpoint size (float32)."""
     workdir: Path = Path("/tmp/bench_convert")
     """Scratch folder (replaced)."""
     shard: str = "1GB"
     """Shard size of the synthetic input and of the exported output."""
-    json_out: Path | None = None
-    """Also write the figures here as JSON."""
 
 
 def _make_checkpoint(folder: Path, gigabytes: float, shard: str) -> int:

@@ -3,7 +3,7 @@
     python -m experiments.bench_model                                   # every shape, forward and train
     python -m experiments.bench_model --shape small-train --repeats 3   # one row, one pass
     python -m experiments.bench_model --shape wide --breakdown          # + attention / MoE / dense / norm / head
-    python -m experiments.bench_model --shape long --seq 2048 --json-out model.json
+    python -m experiments.bench_model --shape long --seq-len 2048 --json-out model.json
 
 Each row builds a random ``transformers.Qwen3MoeForCausalLM`` (eager attention and experts, float32),
 saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch
@@ -36,7 +36,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import equinox as eqx
@@ -47,6 +46,7 @@ import tyro
 
 from eqmoe.nn import dispatch
 from experiments._cli import UsageError, guarded
+from experiments.options import DispatchOption, JsonFileOptions
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ PASSES = ("forward", "train")
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(DispatchOption, JsonFileOptions):
     shape: tuple[str, ...] = ()
     """Rows to run: small, wide, long, or NAME-PASS for one pass (e.g. small-train); default every row."""
     layers: int | None = None
@@ -101,29 +101,27 @@ class Args:
     """Override each expert's SwiGLU width."""
     vocab: int | None = None
     """Override the vocabulary size."""
-    batch: int | None = None
-    """Override the rows of the batch."""
-    seq: int | None = None
-    """Override the sequence length."""
+    batch_size: int | None = None
+    """Rows per batch (default: each benchmark row's own)."""
+    seq_len: int | None = None
+    """Tokens per row (default: each benchmark row's own)."""
     repeats: int = 5
     """Timed calls per side and measurement (the median is reported), in two blocks alternating with the other side."""
     breakdown: bool = False
     """Also time the components (attention, MoE, equal-FLOP dense SwiGLU, RMSNorm, embed+head+loss)."""
-    dispatch: Literal["auto", "sorted", "ragged_dot", "dense"] = "auto"
-    """eqmoe's MoE dispatch backend (auto: sorted on CPU)."""
     hf_adamw: Literal["default", "foreach", "fused"] = "default"
     """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
     logit_tolerance: float = 1e-3
     """Stop before timing when max |logit diff| between the two models exceeds this."""
     seed: int = 0
     """Seed of the weights, the token ids and the cotangents."""
-    json_out: Path | None = None
-    """Write the machine, the rows and the breakdown here as JSON."""
 
 
 def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
     """``(name, shape with the overrides applied, passes)`` for every row ``args`` asks for."""
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shape) if getattr(args, f.name) is not None}
+    given = {**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(Shape)}, "batch": args.batch_size}
+    given["seq"] = args.seq_len
+    overrides = {name: value for name, value in given.items() if value is not None}
     rows: dict[str, list[str]] = {}
     for entry in args.shape or tuple(SHAPES):
         name, _, pass_name = entry.partition("-")
@@ -519,7 +517,7 @@ def run(args: Args) -> dict:
             built = (None, None, None)  # free the previous pair first
             built = (shape.model_key(), *build_models(shape, args.seed))
         _, reference, model = built
-        if args.dispatch != "auto":
+        if args.dispatch not in (None, "auto"):
             moe = dataclasses.replace(model.config.moe, dispatch=args.dispatch)
             model = model.with_config(model.config.replace(moe=moe))
         ids = np.random.default_rng(args.seed).integers(0, shape.vocab, (shape.batch, shape.seq))

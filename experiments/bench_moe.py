@@ -29,10 +29,11 @@ from eqmoe.config import MoEConfig, RouterConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn.mlp import SwiGLU
 from eqmoe.nn.moe import MoE
+from experiments.options import JsonFileOptions
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(JsonFileOptions):
     tokens: int = 4096
     """Tokens in the batch (batch 1, sequence --tokens)."""
     embed: int = 512
@@ -51,12 +52,10 @@ class Args:
     """Rows per block of the sorted backend."""
     repeats: int = 5
     """Timed calls per measurement (the median is reported)."""
-    hf: bool = True
+    transformers: bool = True
     """Also time transformers' Qwen3MoeSparseMoeBlock (needs torch and transformers)."""
     memory_tokens: tuple[int, ...] = ()
     """Token counts at which to report XLA's compiled temp bytes of forward+backward per backend."""
-    json_out: Path | None = None
-    """Write the results here as JSON."""
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -144,7 +143,7 @@ def main(args: Args) -> dict:
             "forward_backward": _median_seconds(backward, args.repeats),
         }
 
-    if args.hf and reference is not None:
+    if args.transformers and reference is not None:
         try:
             block, torch = _hf_block(args, reference)
         except ImportError:

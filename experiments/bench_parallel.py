@@ -1,7 +1,7 @@
 """One train step on one device and on device meshes, side by side: compiled collectives and step time.
 
     python -m experiments.bench_parallel                       # 8 simulated CPU devices, four meshes
-    python -m experiments.bench_parallel --meshes data=2,expert=4 --batch 32 --seq 128
+    python -m experiments.bench_parallel --meshes data=2,expert=4 --batch-size 32 --seq-len 128
 
 Counts the collectives in each compiled step's HLO (all-to-all, all-reduce, all-gather, reduce-scatter,
 collective-permute) and prints the expert-parallel all-to-all volume per MoE layer from its formula
@@ -23,24 +23,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-from eqmoe import Transformer, parallel, presets  # noqa: E402
+from eqmoe import Transformer, parallel  # noqa: E402
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from eqmoe.train.state import init_state  # noqa: E402
 from eqmoe.train.step import Batch, make_train_step  # noqa: E402
+from experiments.options import PresetOptions, ShapeOptions
 
 COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
 
 @dataclass(frozen=True)
-class Args:
-    preset: str = "qwen3-moe-micro"
-    """Model preset."""
+class Args(PresetOptions, ShapeOptions):
     meshes: tuple[str, ...] = ("data=8", "fsdp=8", "data=2,expert=4", "data=2,tensor=2,expert=2")
     """Meshes to compare with one device."""
-    batch: int = 16
-    """Rows per step (global)."""
-    seq: int = 128
-    """Tokens per row."""
     repeats: int = 5
     """Timed steps per configuration (the median is reported)."""
 
@@ -81,14 +76,16 @@ def measure(config, mesh: str | None, batch: int, seq: int, repeats: int) -> tup
 
 
 def main(args: Args) -> None:
-    config = presets.get(args.preset)
-    print(f"{args.preset}, batch {args.batch} x {args.seq}, {jax.device_count()} {jax.default_backend()} devices")
-    base, _ = measure(config, None, args.batch, args.seq, args.repeats)
+    config = args.preset_config()
+    print(
+        f"{args.preset}, batch {args.batch_size} x {args.seq_len}, {jax.device_count()} {jax.default_backend()} devices"
+    )
+    base, _ = measure(config, None, args.batch_size, args.seq_len, args.repeats)
     print(f"{'mesh':<28}{'step ms':>9}{'vs 1 dev':>10}  " + "  ".join(f"{c:>18}" for c in COLLECTIVES))
     print(f"{'one device':<28}{base * 1e3:>9.1f}{1.0:>10.2f}")
     moe = config.moe
     for mesh in args.meshes:
-        seconds, counts = measure(config, mesh, args.batch, args.seq, args.repeats)
+        seconds, counts = measure(config, mesh, args.batch_size, args.seq_len, args.repeats)
         print(
             f"{mesh:<28}{seconds * 1e3:>9.1f}{seconds / base:>10.2f}  "
             + "  ".join(f"{counts[c]:>18}" for c in COLLECTIVES)
@@ -96,7 +93,7 @@ def main(args: Args) -> None:
         p = parallel.parse_mesh(mesh, jax.device_count())
         if moe is not None and p["expert"] > 1:
             shards = p["data"] * p["fsdp"] * p["expert"]
-            slots = args.batch * args.seq // shards * moe.router.top_k
+            slots = args.batch_size * args.seq_len // shards * moe.router.top_k
             elements = 2 * p["expert"] * slots * config.embed_dim
             print(
                 f"{'':<28}expert all-to-all per MoE layer and device, forward: 2 x {p['expert']} x {slots} slots x "

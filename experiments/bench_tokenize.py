@@ -20,6 +20,8 @@ from pathlib import Path
 
 import tyro
 
+from experiments.options import TokenizerOption
+
 WORDS = [
     "the",
     "of",
@@ -116,13 +118,11 @@ WORDS = [
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(TokenizerOption):
     megabytes: int = 1024
     """Size of the JSONL file to tokenise."""
     work_dir: Path = Path("runs/bench_tokenize")
     """Where the data file, the tokenizer and the cache go (the file is reused when it has the right size)."""
-    tokenizer: Path | None = None
-    """A tokenizer folder to use instead of the trained one."""
 
 
 def _sentence(rng: random.Random, words: int) -> str:

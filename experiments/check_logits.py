@@ -1,6 +1,7 @@
 """Check eqmoe's logits against Hugging Face transformers on the same token ids.
 
     python -m experiments.check_logits --hf DIR                          # convert DIR on the fly
+    python -m experiments.check_logits --hf Qwen/Qwen3-30B-A3B           # a Hub id, via the HF cache
     python -m experiments.check_logits --hf DIR --candidate FINETUNED    # an eqmoe-exported folder vs DIR
     python -m experiments.check_logits --hf DIR --checkpoint CKPT        # an eqmoe checkpoint (convert, sft)
     python -m experiments.check_logits --hf DIR --dtype bfloat16 --max-kl 0.015
@@ -17,11 +18,11 @@ Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR/tokenize
 pseudo-random token ids.
 """
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -32,6 +33,8 @@ from eqmoe.analysis.logits import compare_logits
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.source import load_source
 from eqmoe.data import HFTokenizer
+from eqmoe.data.hub import resolve_folder
+from experiments.options import DtypeOption, ModelSourceOptions, TokenizerOption
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -41,33 +44,33 @@ DEFAULT_PROMPTS = (
 
 
 @dataclass(frozen=True)
-class Args:
-    hf: Path
-    """Hugging Face folder (any registered family): the reference, run by transformers."""
+class Args(ModelSourceOptions, TokenizerOption, DtypeOption):
     candidate: Path | None = None
-    """Hugging Face folder eqmoe runs (default: --hf, converted on the fly), e.g. one exported after fine-tuning."""
-    checkpoint: Path | None = None
-    """eqmoe checkpoint eqmoe runs instead (experiments.convert output or a training run's checkpoints folder)."""
-    step: int | None = None
-    """With --checkpoint: the step (default: the latest)."""
-    base: Path | None = None
-    """With --checkpoint: its base model folder, when it moved (a checkpoint that holds only what training changed)."""
+    """Hugging Face folder or Hub id ORG/NAME[@REVISION] eqmoe runs (default: --hf, converted on the fly), e.g. one
+    exported after fine-tuning."""
     peft: Path | None = None
-    """PEFT adapter folder that transformers puts on --hf (needs peft)."""
+    """PEFT adapter folder or Hub id ORG/NAME[@REVISION] that transformers puts on --hf (needs peft)."""
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     """Text prompts (used when a tokenizer is available)."""
-    tokenizer: Path | None = None
-    """tokenizer.json (default: --hf/tokenizer.json when present)."""
     random_prompts: int = 3
     """Without a tokenizer: how many pseudo-random prompts of --random-length ids."""
     random_length: int = 24
     """Without a tokenizer: tokens per pseudo-random prompt."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of both models."""
     max_kl: float = 1e-6
     """Fail (exit 1) when any prompt's max per-position KL exceeds this."""
     top_k: int = 10
     """k of the top-k diagnostics."""
+
+
+def _with_hub_ids_resolved(args: Args) -> Args:
+    """``args`` with each Hub id ``ORG/NAME[@REVISION]`` replaced by its snapshot folder in the Hugging Face cache,
+    so that transformers and eqmoe read the same files."""
+    named = {name: getattr(args, name) for name in ("hf", "candidate", "peft")}
+    folders = {name: resolve_folder(value) for name, value in named.items() if value is not None}
+    tokenizer = None if args.tokenizer is None else resolve_folder(args.tokenizer, files="tokenizer")
+    if tokenizer is not None and tokenizer.is_dir():
+        tokenizer = tokenizer / "tokenizer.json"
+    return dataclasses.replace(args, **folders, tokenizer=tokenizer)
 
 
 def _prompt_ids(args: Args, vocab_size: int) -> list[np.ndarray]:
@@ -117,6 +120,9 @@ def main(args: Args) -> int:
         print("check_logits: needs torch and transformers (pip install -e '.[test]')", file=sys.stderr)
         return 2
     try:
+        if args.hf is None:
+            raise ValueError("--hf: the Hugging Face model transformers runs as the reference is required")
+        args = _with_hub_ids_resolved(args)
         if not (args.hf / "config.json").is_file():
             raise FileNotFoundError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
         if args.candidate is not None and args.checkpoint is not None:

@@ -1,13 +1,19 @@
 """Convert between Hugging Face folders (any registered family) and eqmoe (orbax) model checkpoints.
 
     python -m experiments.convert --hf path/to/Qwen3-30B-A3B --out ckpt/qwen3-30b   # HF -> eqmoe
+    python -m experiments.convert --hf Qwen/Qwen3-30B-A3B --out ckpt/qwen3-30b      # a Hub id, via the HF cache
     python -m experiments.convert --checkpoint ckpt/qwen3-30b --to-hf out/qwen3-30b  # eqmoe -> HF
     python -m experiments.convert --checkpoint runs/sft/checkpoints --to-hf out/sft-hf --max-shard-size 2GB
     python -m experiments.convert --checkpoint runs/lora/checkpoints --to-hf out/lora-peft --adapter-only
 
 An eqmoe checkpoint loads with ``eqmoe.checkpoints.model_checkpoint.load_model``, ``sft --init-from-checkpoint``,
 ``generate --checkpoint`` and ``check_logits --checkpoint``; ``--checkpoint`` also takes a training run's
-``checkpoints`` folder (its latest step, or ``--step``). Tokenizer and generation files travel with the weights.
+``checkpoints`` folder (its latest step, or ``--step``). Tokenizer and generation files travel with the weights:
+an export (merged or ``--adapter-only``) carries the run's tokenizer files, the chat template it trained with
+(``chat_template.jinja``) and a ``generation_config.json`` that stops on its end-of-turn ids, so transformers
+tokenizes, templates and stops as the run did; template variables the files cannot hold (``enable_thinking``) are
+printed and noted in ``README.md`` (:mod:`eqmoe.checkpoints.export_files`). A PEFT folder's generation settings
+are not read by ``PeftModel``: pass ``GenerationConfig.from_pretrained(adapter_dir)`` to ``generate``.
 A LoRA run's adapters are merged into the weights (``--merge``, the default) or written alone as a PEFT adapter
 folder (``--adapter-only``) for ``peft.PeftModel.from_pretrained`` on the base; a checkpoint that holds only what
 training changed reads the rest from its base folder, which must be the one it was trained on (``--base`` when
@@ -17,6 +23,8 @@ when writing HF). Outputs are written under a temporary name and renamed; an exi
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
 """
 
+import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,30 +33,25 @@ from typing import Literal
 import tyro
 
 from eqmoe.checkpoints import hf
+from eqmoe.checkpoints.export_files import export_files
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.checkpoints.peft import save_adapters
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import tokenizer_vocab_size
+from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
+from experiments.options import ModelSourceOptions, TokenizerOption
 
 
 @dataclass(frozen=True)
-class Args:
-    hf: Path | None = None
-    """Hugging Face folder (any registered family) to convert to an eqmoe checkpoint (with --out)."""
+class Args(ModelSourceOptions, TokenizerOption):
     out: Path | None = None
     """eqmoe checkpoint folder to write (with --hf)."""
-    checkpoint: Path | None = None
-    """eqmoe checkpoint (or a training run's checkpoints folder) to export (with --to-hf)."""
     to_hf: Path | None = None
     """Hugging Face folder to write (with --checkpoint)."""
-    step: int | None = None
-    """With --checkpoint: the step to export (default: the latest)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the written tensors; auto keeps the source's (config.json's dtype for --hf)."""
-    tokenizer: Path | None = None
-    """tokenizer.json to check against the vocabulary and ship with the output (default: the source's)."""
     max_shard_size: str = "5GB"
     """With --to-hf: the largest safetensors shard (an index json is written when there are several)."""
     merge: bool = False
@@ -56,10 +59,8 @@ class Args:
     adapter_only: bool = False
     """With --to-hf: write only the LoRA adapters, as a PEFT adapter folder (adapter_model.safetensors +
     adapter_config.json) for the base model."""
-    base: Path | None = None
-    """The base model folder of a checkpoint that holds only what training changed (default: where the run read it)."""
     overwrite: bool = False
-    """Replace an existing output folder."""
+    """Replace what is already at the output (the run in --out-dir, or the output folder) instead of refusing."""
 
 
 def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[Path]:
@@ -68,17 +69,13 @@ def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[P
     A vocabulary padded beyond the tokenizer (Qwen pads to a multiple of 128) is fine; the reverse is not."""
     files = hf.side_files(source)
     if tokenizer is not None:
+        tokenizer = resolve_folder(tokenizer, files="tokenizer")
+        tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
         files = [f for f in files if f.name != "tokenizer.json"] + [tokenizer]
     for path in files:
         if path.name == "tokenizer.json" and (size := tokenizer_vocab_size(path)) > vocab_size:
             raise UsageError(f"{path}: the tokenizer has {size} ids but the model's vocabulary has {vocab_size}")
     return files
-
-
-def recorded_tokenizer(metadata: RunMetadata) -> Path | None:
-    """The tokenizer.json a training run recorded in its checkpoint metadata, when it still exists."""
-    path = metadata.tokenizer_path()
-    return path if path is not None and path.is_file() else None
 
 
 def _check_output(path: Path, overwrite: bool) -> None:
@@ -88,13 +85,13 @@ def _check_output(path: Path, overwrite: bool) -> None:
 
 def to_checkpoint(args: Args) -> str:
     assert args.hf is not None and args.out is not None
+    args = dataclasses.replace(args, hf=resolve_folder(args.hf))  # a Hub id: its cached snapshot, recorded as source
     if not (args.hf / "config.json").is_file():
         raise UsageError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
     _check_output(args.out, args.overwrite)
     config = hf.read_config(args.hf)
     extra = _side_files(args.hf, args.tokenizer, config.vocab_size)
-    dtype = hf.stored_dtype(args.hf) if args.dtype == "auto" else args.dtype
-    model = hf.load(args.hf, dtype=dtype)
+    model = hf.load(args.hf, dtype=None if args.save_dtype == "auto" else args.save_dtype)  # None: config.json's dtype
     save_model(
         model,
         args.out,
@@ -102,7 +99,7 @@ def to_checkpoint(args: Args) -> str:
         overwrite=args.overwrite,
         extra_files=extra,
     )
-    return f"{args.hf} -> {args.out} ({dtype})"
+    return f"{args.hf} -> {args.out} ({model.config.param_dtype})"
 
 
 def to_hf(args: Args) -> str:
@@ -114,20 +111,23 @@ def to_hf(args: Args) -> str:
         raise UsageError("give --merge or --adapter-only, not both")
     model, metadata = load_model(args.checkpoint, step=args.step, base=args.base)
     merged = has_lora(model)
-    if args.adapter_only:
-        if not merged:
-            raise UsageError(f"{args.checkpoint}: --adapter-only: the checkpoint has no LoRA adapters")
-        base = metadata.base
-        base_path = args.base or (base.path if base is not None and base.format == "hf" else None)
-        save_adapters(model, args.to_hf, base_model=None if base_path is None else str(base_path), overwrite=True)
-        return f"{args.checkpoint} -> {args.to_hf} (LoRA adapters only, PEFT layout)"
-    model = merge_lora(model)  # LoRA adapters folded into the weights transformers reads
-    tokenizer = args.tokenizer or recorded_tokenizer(metadata)
-    extra = _side_files(args.checkpoint, tokenizer, model.config.vocab_size)
-    dtype = None if args.dtype == "auto" else args.dtype
-    hf.save(model, args.to_hf, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=True, extra_files=extra)
+    if args.adapter_only and not merged:
+        raise UsageError(f"{args.checkpoint}: --adapter-only: the checkpoint has no LoRA adapters")
+    tokenizer = None if args.tokenizer is None else resolve_folder(args.tokenizer, files="tokenizer")
+    with tempfile.TemporaryDirectory() as scratch:
+        extra = export_files(metadata, args.checkpoint, Path(scratch), model.config.vocab_size, tokenizer)
+        if args.adapter_only:
+            base = metadata.base
+            base_path = args.base or (base.path if base is not None and base.format == "hf" else None)
+            base_model = None if base_path is None else str(base_path)
+            save_adapters(model, args.to_hf, base_model=base_model, overwrite=True, extra_files=extra.files)
+            return f"{args.checkpoint} -> {args.to_hf} (LoRA adapters only, PEFT layout; {extra.note})"
+        model = merge_lora(model)  # LoRA adapters folded into the weights transformers reads
+        dtype = None if args.save_dtype == "auto" else args.save_dtype
+        shards = args.max_shard_size
+        hf.save(model, args.to_hf, dtype=dtype, max_shard_size=shards, overwrite=True, extra_files=extra.files)
     note = ", LoRA adapters merged" if merged else ""
-    return f"{args.checkpoint} -> {args.to_hf} ({dtype or model.config.param_dtype}{note})"
+    return f"{args.checkpoint} -> {args.to_hf} ({dtype or model.config.param_dtype}{note}; {extra.note})"
 
 
 def run(args: Args) -> str:

@@ -21,32 +21,26 @@ import jax.numpy as jnp
 import optax
 import tyro
 
-from eqmoe import Transformer, presets
+from eqmoe import Transformer
 from eqmoe.analysis import count_parameters
 from eqmoe.checkpoints import hf
 from eqmoe.losses import objective
+from eqmoe.train.loop import OutputOptions
+from experiments.options import PresetOptions, ShapeOptions
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(PresetOptions, ShapeOptions, OutputOptions):
     preset: str = "qwen3-moe-tiny"
-    """Model preset (see eqmoe.presets.names()); keep it CPU-sized."""
+    seq_len: int = 64
 
     steps: int = 100
     """Optimizer steps on the counting data."""
-
-    batch: int = 16
-    """Rows per step."""
-
-    seq: int = 64
-    """Tokens per row."""
 
     learning_rate: float = 1e-2
     """AdamW peak learning rate."""
 
     out_dir: Path = Path("runs/demo")
-    """Where the Hugging Face folder is written (replaced if it exists)."""
-
     seed: int = 0
     """Seed for the parameters and the data."""
 
@@ -61,7 +55,7 @@ def counting_rows(key: jax.Array, batch: int, seq: int, vocab: int, max_stride: 
 
 def main(args: Args) -> int:
     try:
-        config = presets.get(args.preset)
+        config = args.preset_config()
     except ValueError as error:
         print(f"demo: {error}", file=sys.stderr)
         return 2
@@ -75,7 +69,7 @@ def main(args: Args) -> int:
 
     @eqx.filter_jit(donate="all-except-first")
     def train_step(key, model, opt_state):
-        tokens = counting_rows(key, args.batch, args.seq, config.vocab_size)
+        tokens = counting_rows(key, args.batch_size, args.seq_len, config.vocab_size)
 
         def loss_fn(model):
             output = model(tokens)
@@ -94,7 +88,7 @@ def main(args: Args) -> int:
                 f"  load-balance {float(terms['load_balance']):.3f}  {time.perf_counter() - start:6.1f}s"
             )
 
-    tokens = counting_rows(jax.random.key(args.seed + 1), args.batch, args.seq, config.vocab_size)
+    tokens = counting_rows(jax.random.key(args.seed + 1), args.batch_size, args.seq_len, config.vocab_size)
     output = eqx.filter_jit(model)(tokens)
     print(
         f"\nexpert load per MoE layer (fraction of routed slots; uniform is {1 / config.moe.router.num_experts:.3f}):"

@@ -38,11 +38,12 @@ from eqmoe.checkpoints.source import load_source, source_tokenizer
 from eqmoe.data import ByteTokenizer, Conversation, HFTokenizer, check_conversation, end_of_turn_ids, prompt_ids
 from eqmoe.inference import generate
 from eqmoe.model import Transformer
-from experiments._cli import MeshOptions, UsageError, guarded, parse_template_vars
+from experiments._cli import UsageError, guarded
+from experiments.options import DtypeOption, JsonOptions, MeshOptions, ModelSourceOptions, TokenizerOptions
 
 
 @dataclass(frozen=True)
-class Args:
+class Args(ModelSourceOptions, TokenizerOptions, DtypeOption, MeshOptions, JsonOptions):
     prompt: str = ""
     """Text to continue (with --chat: the user's message)."""
 
@@ -54,30 +55,6 @@ class Args:
 
     messages: Path | None = None
     """A JSON file holding the conversation to answer (a list of messages, or {"messages", "tools"})."""
-
-    chat_template: Path | None = None
-    """A Jinja chat template file replacing the tokenizer's (or the one the run trained with)."""
-
-    template_var: tuple[str, ...] = ()
-    """Template variables KEY=VALUE (VALUE read as JSON when it parses), e.g. enable_thinking=false."""
-
-    json: bool = False
-    """Print one JSON object (prompt_ids, new_ids, prompt, completion) instead of the text."""
-
-    hf: Path | None = None
-    """Hugging Face model folder (config.json + safetensors), read with eqmoe.checkpoints.hf.load."""
-
-    checkpoint: Path | None = None
-    """eqmoe checkpoint folder (experiments.convert output, or a training run's checkpoints folder)."""
-
-    step: int | None = None
-    """With --checkpoint: the step to load (default: the latest)."""
-
-    base: Path | None = None
-    """With --checkpoint: its base model folder, when it moved (a checkpoint that holds only what training changed)."""
-
-    tokenizer: Path | None = None
-    """Tokenizer folder or tokenizer.json to encode and decode with (default: the --hf or --checkpoint folder's)."""
 
     max_new_tokens: int = 32
     """Tokens to generate after the prompt."""
@@ -94,15 +71,6 @@ class Args:
     eos_id: int | None = None
     """Token id that ends a row (default: eos_token_id from the folder's generation_config.json or config.json)."""
 
-    dtype: str = "float32"
-    """Parameter and compute dtype: float32 | bfloat16 | float16."""
-
-    mesh: str | None = None
-    """Device mesh to shard the model over, e.g. expert=4 or tensor=2 (default: one device)."""
-
-    rules: str = ""
-    """Logical-axis rule overrides (see eqmoe.parallel.DEFAULT_RULES)."""
-
 
 def _is_chat(args: Args) -> bool:
     return args.chat or args.messages is not None
@@ -118,7 +86,7 @@ def load_model(args: Args) -> tuple[Transformer, Path, HFTokenizer | ByteTokeniz
         args.tokenizer,
         chat=_is_chat(args),
         chat_template=args.chat_template,
-        template_vars=parse_template_vars(args.template_var),
+        template_vars=args.variables(),
     )
     return source.model, source.folder, tokenizer
 
@@ -178,7 +146,7 @@ def run(args: Args) -> dict:
         if not 0 <= eos_id < vocab:
             raise UsageError(f"--eos-id {eos_id}: outside the vocabulary 0..{vocab - 1}")
 
-    parallelism = MeshOptions(mesh=args.mesh, rules=args.rules).build()
+    parallelism = args.build()
     model = parallel.shard(model, parallelism)
     start = time.perf_counter()
     with parallel.activate(parallelism):

@@ -23,25 +23,22 @@ import numpy as np
 import tyro
 
 from eqmoe.data import encode_chats, pack, read_conversations
-from experiments._cli import TokenizerOptions, UsageError, guarded
+from experiments._cli import UsageError, guarded
+from experiments.options import JsonOptions, SeqLenOption, TokenizerOptions
 
 _BATCH = 256
 
 
 @dataclass(frozen=True)
-class Args(TokenizerOptions):
+class Args(TokenizerOptions, SeqLenOption, JsonOptions):
     data: Path = Path()
     """The data file or folder (.jsonl, .json, .parquet, .arrow, a datasets folder)."""
     data_field: str | None = None
     """The field holding each record's messages (or, in a .json object, the list of records)."""
     split: str | None = None
     """The split of a datasets or Parquet folder."""
-    json: bool = False
-    """One JSON object per record (where, ids, loss_mask, trained) on stdout instead of the human view."""
     limit: int = 5
     """Conversations to print in the human view (0: none, only the statistics)."""
-    seq_len: int = 2048
-    """Row length for the truncation and packing statistics."""
 
 
 def _marked(tokenizer, ids: np.ndarray, mask: np.ndarray, color: bool) -> str:

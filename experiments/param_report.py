@@ -15,18 +15,15 @@ from dataclasses import asdict, dataclass
 
 import tyro
 
-from eqmoe import models, presets
+from eqmoe import models
 from eqmoe.analysis import ParamRow, count_parameters, parameter_table
 from eqmoe.config import ModelConfig
+from experiments.options import JsonOptions, PresetOptions
 
 
 @dataclass(frozen=True)
-class Args:
-    preset: str
-    """Name of the model preset, e.g. qwen3-30b-a3b (see eqmoe.presets.names())."""
-
-    json: bool = False
-    """Print one JSON object (preset, total, active, parameters) instead of the table."""
+class Args(PresetOptions, JsonOptions):
+    """A preset's parameters with their roles, shapes and counts."""
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -66,7 +63,7 @@ def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: 
 
 def main(args: Args) -> int:
     try:
-        config = presets.get(args.preset)
+        config = args.preset_config()
     except ValueError as error:
         print(f"param_report: {error}", file=sys.stderr)
         return 2

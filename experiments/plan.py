@@ -1,13 +1,14 @@
 """Plan a run before paying for it: per-device memory and FLOPs of the real train step, without the hardware.
 
-    python -m experiments.plan --preset qwen3-30b-a3b --mesh fsdp=8,expert=8 --batch 256 --seq 4096 --dtype bfloat16
-    python -m experiments.plan --preset qwen3-moe-tiny --mesh data=1 --remat none block      # table over remat
-    python -m experiments.plan --preset envy-switch-base --mesh data=8 fsdp=8 data=2,expert=4 --json
+    python -m experiments.plan --preset qwen3-30b-a3b --meshes fsdp=8,expert=8 --batch-size 256 --seq-len 4096 \\
+        --dtype bfloat16
+    python -m experiments.plan --preset qwen3-moe-tiny --meshes data=1 --remats none block      # table over remat
+    python -m experiments.plan --preset envy-switch-base --meshes data=8 fsdp=8 data=2,expert=4 --json
 
 The train step is lowered and compiled by XLA on abstract inputs (``jax.ShapeDtypeStruct`` with the mesh's
 shardings, on simulated CPU devices; nothing of the model's size is allocated), and its compiled memory
 and cost analyses are printed next to the analytic estimate of ``eqmoe.analysis.plan`` (formulas in its
-docstring). Several ``--mesh`` or ``--remat`` values print one row per combination. When XLA cannot
+docstring). Several ``--meshes`` or ``--remats`` values print one row per combination. When XLA cannot
 compile a configuration here, the row says where it failed and shows the analytic estimate alone.
 
 XLA here is XLA:CPU: GPU and TPU compilers fuse and schedule differently (flash attention, for one, never
@@ -25,40 +26,23 @@ from typing import Literal
 
 import tyro
 
+from experiments.options import DispatchOption, DtypeOption, JsonOptions, LoRAOptions, PresetOptions, ShapeOptions
+
 
 @dataclass(frozen=True)
-class Args:
-    preset: str = "qwen3-moe-micro"
-    """Model preset."""
-    mesh: tuple[str, ...] = ("data=1",)
-    """Mesh or meshes, e.g. fsdp=64,expert=16 (simulated CPU devices are created to match)."""
-    batch: int = 16
-    """Global batch, rows."""
-    seq: int = 128
-    """Tokens per row."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype (parameters and optimizer state stay float32)."""
-    remat: tuple[Literal["none", "block"], ...] = ("none",)
-    """Remat policy or policies: none keeps every activation, block recomputes each layer unit."""
-    dispatch: str = "auto"
-    """MoE dispatch backend to plan: auto (what the preset runs on this machine's CPU) or a backend registered
-    in eqmoe.nn.dispatch.BACKENDS (built in: dense, sorted, ragged_dot, capacity), planned by its estimate."""
+class Args(PresetOptions, ShapeOptions, DtypeOption, DispatchOption, LoRAOptions, JsonOptions):
+    meshes: tuple[str, ...] = ("data=1",)
+    """Mesh or meshes to plan, e.g. fsdp=64,expert=16 (simulated CPU devices are created to match)."""
+    remats: tuple[Literal["none", "block"], ...] = ("none",)
+    """Remat policy or policies to plan: none keeps every activation, block recomputes each layer unit."""
     peak_tflops: float = 989.0
     """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
     mfu: float = 0.4
     """Model FLOPs utilisation assumed for the tokens/s estimate."""
-    lora_rank: int | None = None
-    """Plan a LoRA step with adapters of this rank (the base frozen: no gradients or optimizer state for it)."""
-    lora_alpha: float = 16.0
-    """LoRA scale numerator (does not change memory)."""
-    lora_targets: tuple[str, ...] = ("attention", "experts")
-    """What gets adapters (see experiments.sft --lora-targets)."""
     freeze: tuple[str, ...] = ()
     """Parameter roles left untrained, e.g. router embedding (no gradients or optimizer state)."""
     compile: bool = True
     """Compile with XLA (off: the analytic estimate only)."""
-    json: bool = False
-    """Print JSON instead of a table."""
 
 
 def _devices_needed(meshes: tuple[str, ...]) -> int:
@@ -75,32 +59,30 @@ def plan(args: Args) -> list[dict]:
     """One record per (mesh, remat): analytic and compiled bytes per device, FLOPs, planning cost."""
     import jax
 
-    from eqmoe import parallel, presets
+    from eqmoe import parallel
     from eqmoe.analysis import plan as planning
     from eqmoe.config_io import apply_overrides
     from eqmoe.nn.dispatch import BACKENDS
 
-    if args.dispatch != "auto" and args.dispatch not in BACKENDS:
+    if args.dispatch not in (None, "auto") and args.dispatch not in BACKENDS:
         raise ValueError(f"--dispatch {args.dispatch!r} is invalid; allowed: auto | {' | '.join(BACKENDS.names())}")
-    from eqmoe.lora import LoRAConfig
     from eqmoe.train.optimizer import OptimizerConfig
 
-    lora = None
-    if args.lora_rank is not None:
-        lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets)
+    lora = args.lora()
     training = planning.Training(OptimizerConfig(freeze=args.freeze), lora)
     rows = []
-    for spec in args.mesh:
+    for spec in args.meshes:
         needed = _devices_needed((spec,))
         if "-1" in spec or needed > jax.device_count():
-            raise ValueError(f"--mesh {spec}: give every axis a size; {jax.device_count()} devices exist")
+            raise ValueError(f"--meshes {spec}: give every axis a size; {jax.device_count()} devices exist")
         p = parallel.make_parallelism(spec, devices=jax.devices()[:needed])
-        for remat in args.remat:
-            config = presets.get(args.preset).replace(remat=remat, dtype=args.dtype, param_dtype="float32")
-            if args.dispatch != "auto" and config.moe is not None:
+        for remat in args.remats:
+            config = args.preset_config()
+            config = config.replace(remat=remat, dtype=args.dtype, param_dtype="float32")
+            if args.dispatch not in (None, "auto") and config.moe is not None:
                 config = apply_overrides(config, {"moe.dispatch": args.dispatch})
-            estimate = planning.estimate(config, p, args.batch, args.seq, training)
-            total_flops, active_flops = planning.flops_per_token(config, args.seq)
+            estimate = planning.estimate(config, p, args.batch_size, args.seq_len, training)
+            total_flops, active_flops = planning.flops_per_token(config, args.seq_len)
             devices = math.prod(p.mesh.shape.values())
             tokens_per_second = args.mfu * args.peak_tflops * 1e12 * devices / active_flops
             record = {
@@ -115,7 +97,7 @@ def plan(args: Args) -> list[dict]:
             }
             if args.compile:
                 try:
-                    compiled = planning.compile_step(config, p, args.batch, args.seq, training)
+                    compiled = planning.compile_step(config, p, args.batch_size, args.seq_len, training)
                     record["compiled"] = compiled._asdict()
                 except Exception as error:  # a compiler failure is a result here, reported beside the estimate
                     record["compile_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
@@ -125,7 +107,7 @@ def plan(args: Args) -> list[dict]:
 
 def table(args: Args, rows: list[dict]) -> str:
     lines = [
-        f"{args.preset}: batch {args.batch} x {args.seq}, {args.dtype}; bytes per device in GiB "
+        f"{args.preset}: batch {args.batch_size} x {args.seq_len}, {args.dtype}; bytes per device in GiB "
         "(analytic / XLA compiled)",
         f"{'mesh':<22}{'remat':<7}{'params':>9}{'opt':>9}{'grads+upd':>10}{'activ.':>10}{'argument':>19}"
         f"{'temp':>21}{'output':>10}{'peak':>23}",
@@ -148,7 +130,7 @@ def table(args: Args, rows: list[dict]) -> str:
             f"TFLOP/s x {row['devices']} devices"
         )
         if c is not None:
-            xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch * args.seq):.3e}"
+            xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch_size * args.seq_len):.3e}"
             line += f"; XLA cost analysis {xla} FLOPs/token (loop bodies counted once)"
             line += f"; lower {c['lower_seconds']:.1f}s, compile {c['compile_seconds']:.1f}s"
         lines.append(line)
@@ -160,7 +142,7 @@ def table(args: Args, rows: list[dict]) -> str:
 def main(args: Args) -> int:
     from experiments._cli import guarded
 
-    needed = guarded("plan", _devices_needed, args.mesh)
+    needed = guarded("plan", _devices_needed, args.meshes)
     if needed is None:
         return 2
     if "jax" not in sys.modules or not sys.modules["jax"]._src.xla_bridge._backends:

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +33,12 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.base import BaseModel, identify
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.run_metadata import RunMetadata
+from eqmoe.checkpoints.source import ModelSource, source_tokenizer
 from eqmoe.config import ModelConfig
-from eqmoe.config_io import config_to_dict
+from eqmoe.config_io import apply_overrides, config_to_dict, parse_override
 from eqmoe.data import (
     TRAIN_MIX,
+    ByteTokenizer,
     Conversation,
     PackedDataset,
     TaskKind,
@@ -50,49 +52,36 @@ from eqmoe.data import (
     tokenize_file,
 )
 from eqmoe.data.chat import message_text
-from eqmoe.lora import LoRAConfig, add_lora, merge_lora
+from eqmoe.data.hub import resolve_folder
+from eqmoe.lora import add_lora, merge_lora
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
-from experiments._cli import MeshOptions, TokenizerOptions, UsageError, guarded
+from experiments._cli import UsageError, check_vocabulary, guarded, replay_stored_arguments
+from experiments.options import (
+    DispatchOption,
+    LoRAOptions,
+    MeshOptions,
+    ShapeOptions,
+    StartOptions,
+    TokenizerOptions,
+    import_modules,
+)
 
 
 @dataclass(frozen=True)
-class ModelOptions:
-    preset: str = "qwen3-moe-micro"
-    """Model preset to train from scratch (ignored with --init-from-hf)."""
-    init_from_hf: Path | None = None
-    """Start from this Hugging Face folder of any registered family (config.json + safetensors) instead of a preset."""
-    init_from_checkpoint: Path | None = None
-    """Start from this eqmoe checkpoint (experiments.convert output or another run's checkpoints folder)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype (parameters and optimizer state stay float32)."""
-    remat: Literal["none", "block"] = "none"
-    """Recompute each layer unit's activations in the backward pass to save memory."""
-    dispatch: str | None = None
-    """MoE dispatch backend: auto or one registered in eqmoe.nn.dispatch.BACKENDS (dense, sorted, ragged_dot,
-    capacity); default: the model's. Like --dtype and --remat it may change on --resume."""
-    lora_rank: int | None = None
-    """Train LoRA adapters of this rank instead of the weights (the base stays frozen; default: no LoRA)."""
-    lora_alpha: float = 16.0
-    """LoRA scale numerator: adapters are scaled by alpha / rank."""
-    lora_targets: tuple[str, ...] = ("attention", "experts")
-    """What gets adapters: attention, mlp, router, experts, or one matrix such as attention.q or experts.down."""
-    lora_dropout: float = 0.0
-    """Training-time dropout on the inputs of the attention and dense-FFN adapters (PEFT's lora_dropout)."""
-
-    def lora(self) -> LoRAConfig | None:
-        if self.lora_rank is None:
-            return None
-        try:
-            return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
-        except ValueError as error:
-            raise UsageError(f"--lora: {error}") from None
+class ModelOptions(StartOptions, DispatchOption, LoRAOptions):
+    changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch"}
 
 
 def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
-    """``config`` with the execution options (``--dtype``, ``--remat``, ``--dispatch``) and float32 parameters."""
+    """``config`` with ``--override`` and the execution options (``--dtype``, ``--remat``, ``--dispatch``) and
+    float32 parameters."""
+    try:
+        config = apply_overrides(config, dict(parse_override(text) for text in options.override))
+    except ValueError as error:
+        raise UsageError(f"--override: {error}") from None
     config = config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
     if options.dispatch is None:
         return config
@@ -107,7 +96,9 @@ def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class DataOptions(TokenizerOptions):
+class DataOptions(TokenizerOptions, ShapeOptions):
+    changeable_on_resume: ClassVar[frozenset[str]] = frozenset({"cache_dir"})
+
     data: Path | None = None
     """Training conversations: .jsonl, .json, .parquet, .arrow or a datasets folder, in the messages, ShareGPT or
     prompt/completion layout (default: built-in tasks)."""
@@ -119,10 +110,6 @@ class DataOptions(TokenizerOptions):
     """The split of a datasets or Parquet folder (default: train, or its only split)."""
     cache_dir: Path | None = None
     """Where tokenised files are cached (default: $EQMOE_CACHE, else ~/.cache/eqmoe; tokenized/ inside)."""
-    seq_len: int = 128
-    """Tokens per packed row."""
-    batch_size: int = 16
-    """Rows per step."""
     train_examples: int = 50_000
     """Built-in tasks: training conversations to generate."""
     eval_examples: int = 500
@@ -134,10 +121,11 @@ class DataOptions(TokenizerOptions):
 
 @dataclass(frozen=True)
 class RunOptions(loop.RunOptions):
+    changeable_on_resume: ClassVar[frozenset[str]] = loop.RunOptions.changeable_on_resume | {"samples"}
+
     steps: int = 2000
     """Total optimizer steps of the run (a resumed run continues up to this)."""
     out_dir: Path = Path("runs/sft")
-    """Where metrics, plots, checkpoints and the summary go."""
     samples: int = 4
     """Held-out prompts to answer with greedy generation at the end."""
 
@@ -146,7 +134,9 @@ class RunOptions(loop.RunOptions):
 class Args:
     model: ModelOptions = ModelOptions()
     data: DataOptions = DataOptions()
-    optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=100, decay_steps=2000, weight_decay=0.1)
+    optim: OptimizerConfig = OptimizerConfig(
+        learning_rate=None, warmup_steps=100, decay_steps="steps", weight_decay=0.1
+    )
     run: RunOptions = RunOptions()
     parallel: MeshOptions = MeshOptions()
 
@@ -155,34 +145,93 @@ class StartingModel(NamedTuple):
     model: Transformer
     config: ModelConfig
     base: BaseModel | None  # the folder it was read from (None: a preset initialised here)
+    source: ModelSource | None  # where its tokenizer and chat template are found (None: a preset)
 
 
-def _model_and_config(options: ModelOptions, vocab_size: int, seed: int) -> StartingModel:
+def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> StartingModel:
     if options.init_from_hf is not None and options.init_from_checkpoint is not None:
         raise UsageError("give --init-from-hf or --init-from-checkpoint, not both")
-    base = None
+    base = source = None
     if options.init_from_hf is not None or options.init_from_checkpoint is not None:
         if options.init_from_hf is not None:
-            model = hf.load(options.init_from_hf)
-            base = identify(options.init_from_hf)
+            folder = resolve_folder(options.init_from_hf)  # a Hub id: its snapshot in the Hugging Face cache
+            # float32 master weights; on a mesh each tensor goes straight to its shards
+            model = hf.load(folder, dtype="float32", parallelism=parallelism)
+            base = identify(folder)
+            source = ModelSource(model, base.path, None)
         else:
             base = identify(options.init_from_checkpoint)
-            model, _ = load_model(options.init_from_checkpoint, step=base.step, dtype="float32")
+            model, metadata = load_model(options.init_from_checkpoint, step=base.step, dtype="float32")
             model = merge_lora(model)  # an adapter run's result is this run's base
+            source = ModelSource(model, base.path, metadata)
         config = execution_config(model.config, options)
         model = model.with_config(config)
     else:
         config = execution_config(presets.get(options.preset), options)
         model = Transformer(config, key=jax.random.key(seed))
-    if vocab_size > config.vocab_size:
-        raise UsageError(f"the tokenizer has {vocab_size} ids but the model's vocabulary is {config.vocab_size}")
+    return StartingModel(model, config, base, source)
+
+
+def _with_adapters(model: Transformer, options: ModelOptions, seed: int) -> Transformer:
     lora = options.lora()
-    if lora is not None:
-        try:
-            model = add_lora(model, lora, key=jax.random.key(seed + 2))
-        except ValueError as error:
-            raise UsageError(f"--lora-targets: {error}") from None
-    return StartingModel(model, config, base)
+    if lora is None:
+        return model
+    try:
+        return add_lora(model, lora, key=jax.random.key(seed + 2))
+    except ValueError as error:
+        raise UsageError(f"--lora-targets: {error}") from None
+
+
+def _tokenizer(options: DataOptions, starting: StartingModel):
+    """``--tokenizer``, else the starting model's own (its folder's, or the one its run recorded), else bytes for
+    a preset; refused in one line when its vocabulary does not fit the model's. With where it came from."""
+    variables = options.variables()
+    if starting.source is None or options.tokenizer is not None:
+        tokenizer, origin = options.load(), "--tokenizer" if options.tokenizer is not None else "built-in bytes"
+    else:
+        tokenizer = source_tokenizer(
+            starting.source, chat_template=options.chat_template, template_vars=variables, bytes_if_none=True
+        )
+        origin = "the starting model's"
+        if isinstance(tokenizer, ByteTokenizer):  # a byte-level model, or a folder without its tokenizer: checked below
+            origin = "built-in bytes: the starting model's folder names no tokenizer"
+    check_vocabulary(tokenizer.vocab_size, starting.config.vocab_size, from_checkpoint=starting.source is not None)
+    return tokenizer, origin
+
+
+# Peak learning rates by where the run starts: the from-scratch rate would wreck a trained model; LoRA's
+# adapters start at zero and take a larger rate than full fine-tuning.
+LEARNING_RATES = {"from scratch": 3e-3, "LoRA fine-tuning": 2e-4, "full fine-tuning": 2e-5}
+
+
+def _optimizer(args: Args, starting: StartingModel) -> OptimizerConfig:
+    """``--learning-rate`` or the default for how the run starts; the cosine ends at ``--steps`` unless told."""
+    kind = (
+        "from scratch"
+        if starting.source is None
+        else "LoRA fine-tuning"
+        if args.model.lora_rank
+        else "full fine-tuning"
+    )
+    optim = args.optim.for_run(args.run.steps, LEARNING_RATES[kind])
+    origin = "--learning-rate" if args.optim.learning_rate is not None else f"the {kind} default"
+    decay = (
+        "constant" if optim.decay_steps is None else f"cosine to {optim.final_lr_ratio:g}x at step {optim.decay_steps}"
+    )
+    print(
+        f"optimizer: peak learning rate {optim.learning_rate:g} ({origin}), warmup {optim.warmup_steps} steps, {decay}",
+        file=sys.stderr,
+    )
+    return optim
+
+
+def _recorded_template(options: DataOptions, starting: StartingModel) -> str | None:
+    """The chat template file this run renders with, to record: ``--chat-template``, else the one the starting
+    checkpoint's run recorded (None: the tokenizer folder's own)."""
+    if options.chat_template is not None:
+        return str(options.chat_template.absolute())
+    recorded = starting.source.metadata if starting.source is not None and options.tokenizer is None else None
+    return recorded.chat_template if recorded is not None else None
 
 
 class ChatData(NamedTuple):
@@ -274,9 +323,12 @@ def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     run_options, out_dir = args.run, args.run.out_dir
     run_options.check()
+    run_options.claim_out_dir()
+    import_modules(args.model.import_modules)
     parallelism = args.parallel.build()
-    tokenizer = args.data.load()
-    model, config, base = _model_and_config(args.model, tokenizer.vocab_size, run_options.seed)
+    starting = _model_and_config(args.model, run_options.seed, parallelism)
+    tokenizer, tokenizer_origin = _tokenizer(args.data, starting)
+    model, config, base = _with_adapters(starting.model, args.model, run_options.seed), starting.config, starting.base
     data = _chat_data(args.data, tokenizer, run_options.seed, run_options.samples)
     seq_len = args.data.seq_len
     packed = pack(data.train, seq_len, tokenizer.pad_id, overflow="truncate")
@@ -287,17 +339,26 @@ def run(args: Args) -> dict:
             "answer token; raise --seq-len"
         )
     dataset = PackedDataset(packed.rows)
+    if packed.too_long:
+        longest = max(len(ids) for ids, _ in data.train)
+        print(
+            f"warning: {packed.too_long} of {packed.num_conversations} training conversations "
+            f"({packed.too_long / packed.num_conversations:.1%}) are longer than --seq-len {seq_len} and are cut "
+            f"(the longest has {longest} tokens)",
+            file=sys.stderr,
+        )
     print(
         f"data: {data.note}; {packed.num_conversations} packed into {len(dataset)} rows of {seq_len} "
         f"({packed.fill:.0%} filled, {packed.too_long} truncated); {len(data.held_out)} held out; "
-        f"template: {tokenizer.chat_template.origin}",
+        f"tokenizer: {tokenizer!r} ({tokenizer_origin}); template: {tokenizer.chat_template.origin}",
         file=sys.stderr,
     )
 
-    tokenizer_path = None if args.data.tokenizer is None else str(args.data.tokenizer.absolute())
+    tokenizer_path = None if isinstance(tokenizer, ByteTokenizer) else str(Path(tokenizer.path).absolute())
+    optim = _optimizer(args, starting)
     result = loop.train(
         model,
-        args.optim,
+        optim,
         run_options,
         dataset=dataset,
         batch_size=args.data.batch_size,
@@ -306,7 +367,7 @@ def run(args: Args) -> dict:
             config,
             tokenizer=tokenizer_path,
             bytes_tokenizer=tokenizer_path is None,
-            chat_template=None if args.data.chat_template is None else str(args.data.chat_template.absolute()),
+            chat_template=_recorded_template(args.data, starting),
             template_vars=tokenizer.chat_template.variables,
             lora=None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
             base=base,
@@ -332,7 +393,7 @@ def run(args: Args) -> dict:
         "tokens_per_second": result.tokens_per_second,
         "compile_seconds": result.compile_seconds,
         "held_out_conversations": len(data.held_out),
-        "parameters": parameter_counts(model, args.optim),
+        "parameters": parameter_counts(model, optim),
         "samples": samples,
         "config": config_to_dict(config),
         "args": dataclasses.asdict(args),
@@ -343,7 +404,7 @@ def run(args: Args) -> dict:
 
 
 def main(args: Args) -> int:
-    summary = guarded("sft", run, args)
+    summary = guarded("sft", lambda args: run(replay_stored_arguments(args, Args())), args)
     if summary is None:
         return 2
     for sample in summary["samples"]:

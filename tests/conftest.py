@@ -33,6 +33,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+# Tests that launch long subprocesses or whole commands start first, so that at the end of a run no worker
+# waits on one of them while the other is idle.
+_START_FIRST = ("test_parallel.py", "test_notebooks.py", "test_reliability.py", "test_resume_execution.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not any(name in item.nodeid for name in _START_FIRST))
+
+
 TINY_HF = dict(
     vocab_size=97,
     hidden_size=32,

@@ -86,7 +86,12 @@ FAMILY_FIELDS = {
 
 @pytest.mark.parametrize(
     ("mesh", "variant"),
-    [(mesh, variant) for mesh in MESHES for variant in ("dropless", "capacity")]
+    [(mesh, "dropless") for mesh in MESHES[1:]]
+    # plain data parallelism: also the data axis of the other meshes, and the two-process run
+    + [pytest.param(MESHES[0], "dropless", marks=pytest.mark.slow)]
+    # capacity dispatch on the mesh with every axis at once; on each other mesh under -m slow
+    + [("data=2,tensor=2,expert=2", "capacity")]
+    + [pytest.param(mesh, "capacity", marks=pytest.mark.slow) for mesh in MESHES[:-1]]
     + [("data=2,expert=4", "family-fields"), ("data=2,tensor=2,expert=2", "family-fields")],
 )
 def test_one_step_on_a_mesh_matches_one_device(mesh, variant):
@@ -214,3 +219,51 @@ def test_plan_on_a_mesh_splits_the_arguments_exactly():
     estimate, compiled = plan.estimate(config, p, 16, 128), plan.compile_step(config, p, 16, 128)
     assert estimate.argument == pytest.approx(compiled.argument, rel=0.01)
     assert estimate.parameters < one.parameters / 3  # embed split over fsdp=4, norms replicated
+
+
+def test_hf_folder_loads_straight_onto_the_mesh_one_slice_at_a_time(tmp_path):
+    """A bfloat16 Hugging Face folder read onto fsdp=8: bf16 by default, each device holding its share, the host
+    one device slice at a time, and the one-device load's parameters bit for bit.
+
+    Host memory is what tracemalloc sees of numpy's allocations. On CPU devices XLA adopts each aligned host slice
+    as that device's buffer, so the load's growth is the model itself; what the host held beyond the devices is the
+    peak above the end, and the largest buffer left is one device's slice, not a stacked tensor."""
+    import collections
+    import tracemalloc
+
+    import ml_dtypes
+    import torch
+
+    from eqmoe.checkpoints import hf
+    from tests.conftest import save_tiny_hf
+
+    # Wide enough (about 3 MB) that a whole stacked expert tensor would stand out against one device's slice.
+    wide = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256, vocab_size=1024)
+    save_tiny_hf(tmp_path, mlp_only_layers=[0], **wide).to(torch.bfloat16).save_pretrained(tmp_path)
+    hf.load(tmp_path)  # traces the model once, so tracing's caches stay out of the figures
+    p = parallel.make_parallelism("fsdp=8")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    model = hf.load(tmp_path, parallelism=p)
+    after, peak = tracemalloc.get_traced_memory()
+    buffers = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+    tracemalloc.stop()
+
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    model_bytes, largest = sum(leaf.nbytes for leaf in leaves), max(leaf.nbytes for leaf in leaves)
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(ml_dtypes.bfloat16)}
+    per_device = collections.Counter()
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    largest_buffer = max((trace.size for trace in buffers.traces), default=0)
+    print(f"\nmodel {model_bytes} B (largest leaf {largest} B); most on one device {max(per_device.values())} B")
+    print(f"host: +{after - before} B at the end, +{peak - before} B at the peak; largest buffer {largest_buffer} B")
+    assert len(per_device) == 8 and max(per_device.values()) < model_bytes / 4
+    assert peak - after < largest / 2  # never a whole stacked tensor on the host beside the devices' memory
+    assert largest_buffer < largest / 4
+
+    exact = hf.load(tmp_path, dtype="float32")  # bf16 files read exactly into float32 on one device
+    for got, want in zip(leaves, jax.tree.leaves(eqx.filter(exact, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(ml_dtypes.bfloat16))
+    # (a sharded model computes what one device does: the one-step cases above)

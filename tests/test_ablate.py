@@ -1,6 +1,7 @@
 """The ablation grid: reproducible rows, skipping finished variants and resuming an interrupted one."""
 
 import ast
+import dataclasses
 import functools
 import json
 import re
@@ -10,11 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+import pytest
 import tyro
 
 from eqmoe import presets
 from eqmoe.config_io import apply_overrides
+from eqmoe.nn.router import STRATEGIES
 from experiments import ablate, pretrain
+from experiments._cli import UsageError
+from tests.chat_fixtures import write_tokenizer_folder
 from tests.conftest import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +152,134 @@ def test_results_table_marks_missing_and_infinite_figures():
     }
     table = ablate.results_table(results)
     assert f"| {name} | 1.500 |  | 0.200 | inf | 0.000 | 0.900 | – | 100 |" in table
+
+
+# --- your data, your tokenizer, your router, your starting model --------------------------------------------
+
+NOTES = "".join(
+    f"note {i}: the {('red', 'green', 'blue')[i % 3]} robot moved {i % 7} boxes to the "
+    f"{('hill', 'lake', 'barn', 'shed')[i % 4]} and wrote it down.\n"
+    for i in range(120)
+)
+CUSTOM = "tests.custom_router_module"
+SMALL = dict(steps=4, batch_size=2, seq_len=32, eval_every=4, checkpoint_every=4)
+
+
+@pytest.fixture
+def custom_router():
+    """The strategy ``--import tests.custom_router_module`` registers, unregistered afterwards."""
+    yield "tempered_softmax_top_k"
+    if "tempered_softmax_top_k" in STRATEGIES:
+        STRATEGIES.unregister("tempered_softmax_top_k")
+    sys.modules.pop(CUSTOM, None)
+
+
+def _user_inputs(tmp_path: Path, variants: dict) -> dict:
+    (tmp_path / "notes.txt").write_text(NOTES)
+    (tmp_path / "v.json").write_text(json.dumps(variants))
+    return dict(
+        data=(tmp_path / "notes.txt",),
+        tokenizer=write_tokenizer_folder(tmp_path / "tokenizer"),
+        import_modules=(CUSTOM,),
+        variants_file=tmp_path / "v.json",
+    )
+
+
+def test_a_registered_router_runs_on_user_text_from_a_variants_file(tmp_path, capsys, custom_router):
+    inputs = _user_inputs(tmp_path, {"tempered": {"moe.router.strategy": custom_router}})
+    args = ablate.Args(out_dir=tmp_path / "out", **inputs, **SMALL)
+    assert ablate.main(args) == 0, capsys.readouterr().err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(results["variants"]) == ["baseline", "tempered"]  # with a file: the baseline and the file's
+    row = results["variants"]["tempered"]
+    assert np.isfinite(row["eval_loss"]) and row["overrides"] == {"moe.router.strategy": custom_router}
+    summary = json.loads((tmp_path / "out" / "tempered" / "summary.json").read_text())
+    assert summary["config"]["moe"]["router"]["strategy"] == custom_router and summary["domains"] == ["notes"]
+    assert results["settings"]["data"] == [str(tmp_path / "notes.txt")] and results["imports"] == [CUSTOM]
+    assert f"| tempered | {row['eval_loss']:.3f} |" in (tmp_path / "out" / "results.md").read_text()
+
+    words = shlex.split(row["command"])
+    for flag, value in [("--import", CUSTOM), ("--data", inputs["data"][0]), ("--tokenizer", inputs["tokenizer"])]:
+        assert words[words.index(flag) + 1] == str(value), flag
+    parsed = tyro.cli(pretrain.Args, args=words[3:], config=(tyro.conf.OmitArgPrefixes,))
+    assert parsed == ablate.pretrain_args(args, "tempered", ablate.variant_table(args))
+
+    # Finished variants are skipped; a variant redefined in the file since is refused, not reported stale.
+    summary_file = tmp_path / "out" / "tempered" / "summary.json"
+    written = summary_file.stat().st_mtime_ns
+    assert ablate.main(args) == 0 and summary_file.stat().st_mtime_ns == written
+    (tmp_path / "v.json").write_text(json.dumps({"tempered": {"moe.router.top_k": 1}}))
+    assert ablate.main(args) == 2
+    assert "variant 'tempered' finished in" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "variants, extra, message",
+    [
+        ({"bad": {"moe.router.topk": 1}}, {}, "variant 'bad': override 'moe.router.topk': RouterConfig has no field"),
+        ({"bad": {"moe.router.top_k": "two"}}, {}, "variant 'bad': override moe.router.top_k='two': not a valid"),
+        ([{"moe.router.top_k": 1}], {}, "expected a non-empty JSON object of variant name -> overrides"),
+        ({"baseline": {}}, {}, "variant 'baseline' is built in"),
+        ({"bad/name": {}}, {}, "variant name 'bad/name' is invalid"),
+        ({"fine": {}}, {"variants": ("fine", "missing")}, "unknown variant(s) missing; known: baseline"),
+        ({"fine": {}}, {"import_modules": ("tests.no_such_module",)}, "--import tests.no_such_module: ModuleNotFound"),
+    ],
+)
+def test_bad_variants_files_and_imports_are_one_line_before_anything_trains(tmp_path, capsys, variants, extra, message):
+    (tmp_path / "v.json").write_text(json.dumps(variants))
+    args = ablate.Args(out_dir=tmp_path / "out", variants_file=tmp_path / "v.json", **{**SMALL, **extra})
+    assert ablate.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ablate: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_loaded_model_takes_routing_overrides_and_refuses_new_shapes(tmp_path, capsys):
+    from eqmoe import Transformer
+    from eqmoe.checkpoints import hf
+    from eqmoe.checkpoints.model_checkpoint import save_model
+
+    saved = Transformer(presets.get("qwen3-moe-micro"), key=jax.random.key(7))
+    hf.save(saved, tmp_path / "hf")
+    save_model(saved, tmp_path / "ckpt")
+    routing = ("moe.router.strategy=top_k_softmax", "moe.router.top_k=1", "attention.qk_norm=after_rope")
+    for start in ({"init_from_hf": tmp_path / "hf"}, {"init_from_checkpoint": tmp_path / "ckpt"}):
+        options = pretrain.ModelOptions(override=routing, **start)
+        config = pretrain.model_config(options)
+        model = pretrain.starting_model(options, config, seed=0)
+        assert model.config == config and config.moe.router.strategy == "top_k_softmax"
+        np.testing.assert_array_equal(model.embed, saved.embed)  # the saved weights, not a fresh initialisation
+        for override in (
+            "moe.shared_experts=1",
+            "moe.expert_dim=32",
+            "norm.ffn_placement=post",
+            "moe.router.bias_update_rate=0.001",
+        ):
+            with pytest.raises(UsageError, match=f"^{re.escape(override)} would change the parameters of the model"):
+                pretrain.model_config(dataclasses.replace(options, override=(override,)))
+
+    # In a grid the refusal names the variant, before anything trains; the row commands carry the start.
+    capsys.readouterr()
+    (tmp_path / "v.json").write_text(json.dumps({"shared": {"moe.shared_experts": 1}}))
+    args = ablate.Args(out_dir=tmp_path / "out", init_from_hf=tmp_path / "hf", variants_file=tmp_path / "v.json")
+    assert ablate.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "variant 'shared': moe.shared_experts=1 would change the parameters" in err
+    words = shlex.split(ablate.command(ablate.pretrain_args(args, "baseline")))
+    assert words[words.index("--init-from-hf") + 1] == str(tmp_path / "hf")
+
+
+def test_the_input_flags_parse_as_documented():
+    flags = ["--data", "a.txt", "b.jsonl", "--tokenizer", "tok", "--init-from-checkpoint", "ckpt"]
+    flags += ["--variants-file", "v.json", "--import", "one", "--import", "pkg.two"]
+    args = tyro.cli(ablate.Args, args=flags)
+    assert args.data == (Path("a.txt"), Path("b.jsonl")) and args.import_modules == ("one", "pkg.two")
+    assert (args.tokenizer, args.init_from_checkpoint, args.variants_file) == (
+        Path("tok"),
+        Path("ckpt"),
+        Path("v.json"),
+    )
+    variant = ablate.pretrain_args(args, "baseline")
+    words = shlex.split(ablate.command(variant))
+    assert words.count("--import") == 2 and "--init-from-checkpoint" in words
+    assert tyro.cli(pretrain.Args, args=words[3:], config=(tyro.conf.OmitArgPrefixes,)) == variant

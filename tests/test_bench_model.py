@@ -15,7 +15,7 @@ TINY = dict(layers=1, embed=32, heads=2, kv_heads=1, head_dim=16, experts=4, top
 
 def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     out = tmp_path / "bench.json"
-    args = bench_model.Args(shape=("small",), **TINY, batch=2, seq=16, repeats=1, breakdown=True, json_out=out)
+    args = bench_model.Args(shape=("small",), **TINY, batch_size=2, seq_len=16, repeats=1, breakdown=True, json_out=out)
     assert bench_model.main(args) == 0
     results = json.loads(out.read_text())
 
@@ -38,7 +38,7 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
 
 
 def test_shape_selection_and_overrides():
-    rows = bench_model.selected_rows(bench_model.Args(shape=("wide-train", "small", "wide-forward"), seq=64))
+    rows = bench_model.selected_rows(bench_model.Args(shape=("wide-train", "small", "wide-forward"), seq_len=64))
     both = ("forward", "train")
     assert [(name, passes) for name, _, passes in rows] == [("wide", both), ("small", both)]
     assert all(shape.seq == 64 for _, shape, _ in rows)

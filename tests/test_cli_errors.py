@@ -18,7 +18,7 @@ CASES = [
     ("ablate", ["--variants", "nope"], "unknown variant(s) nope"),
     ("convert", ["--hf", "{tmp}/missing", "--out", "{tmp}/out"], "missing"),
     ("generate", ["--hf", "{tmp}/missing", "--prompt", "hi"], "missing"),
-    ("plan", ["--mesh", "data=3,pipeline=2", "--no-compile"], "plan: mesh spec"),
+    ("plan", ["--meshes", "data=3,pipeline=2", "--no-compile"], "plan: mesh spec"),
 ]
 
 

@@ -51,7 +51,12 @@ TARGETS = {
 
 
 @pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")  # PEFT's, spurious
-@pytest.mark.parametrize("family", list(TARGETS))
+# The commands are the same code for every family; what is a family's own (its field map, names, numbers) each
+# family's parity and round-trip tests cover. One family runs them by default, GLM-4.5 (the most fields); every
+# family with -m slow.
+@pytest.mark.parametrize(
+    "family", [family if family == "glm4_moe" else pytest.param(family, marks=pytest.mark.slow) for family in TARGETS]
+)
 def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path, capsys):
     _saver(family)(tmp_path / "hf", vocab_size=300, num_hidden_layers=2, initializer_range=0.3, eos_token_id=1)
     _word_tokenizer(tmp_path / "hf" / "tokenizer.json", 300)
@@ -71,6 +76,8 @@ def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path,
         optim=dataclasses.replace(sft.Args().optim, learning_rate=1e-2, warmup_steps=1, freeze=("router",)),
         run=run,
     )
+    # the built-in tasks are byte text: the word tokenizer steps aside, and the folder's 300 rows fit the 260 bytes
+    (tmp_path / "hf" / "tokenizer.json").rename(tmp_path / "words.json")
     too_short = dataclasses.replace(args, data=dataclasses.replace(args.data, seq_len=8))
     assert sft.main(too_short) == 2 and "no training token left" in capsys.readouterr().err
     assert sft.main(args) == 0

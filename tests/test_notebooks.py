@@ -14,13 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_the_five_notebooks_exist():
+def test_the_six_notebooks_exist():
     assert [p.stem for p in NOTEBOOKS] == [
         "01_quickstart",
         "02_routing_explorer",
         "03_qwen3_parity",
         "04_envy_two_readings",
         "05_ablation_results",
+        "06_fine_tune_a_checkpoint",
     ]
 
 

@@ -49,10 +49,10 @@ def test_active_parameters_count_only_the_chosen_experts():
 
 
 def test_plan_cli_prints_json_and_reports_bad_meshes_in_one_line(capsys):
-    assert plan_cli.main(plan_cli.Args(preset="qwen3-moe-micro", remat=("none", "block"), json=True)) == 0
+    assert plan_cli.main(plan_cli.Args(preset="qwen3-moe-micro", remats=("none", "block"), json=True)) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["remat"] for r in rows] == ["none", "block"] and rows[0]["compiled"]["temp"] > rows[1]["compiled"]["temp"]
-    assert plan_cli.main(plan_cli.Args(mesh=("data=3,pipeline=2",), compile=False)) == 2
+    assert plan_cli.main(plan_cli.Args(meshes=("data=3,pipeline=2",), compile=False)) == 2
     assert "plan: mesh spec 'data=3,pipeline=2'" in capsys.readouterr().err
 
 

@@ -22,7 +22,8 @@ def _args(out_dir, steps, **changes) -> sft.Args:
     args = sft.Args(
         model=sft.ModelOptions(preset="qwen3-moe-micro"),
         data=sft.DataOptions(**FAST),
-        optim=dataclasses.replace(sft.Args().optim, warmup_steps=5),
+        # a rate and a cosine fixed in steps: a run extended by --resume keeps one long run's schedule
+        optim=dataclasses.replace(sft.Args().optim, learning_rate=3e-3, warmup_steps=5, decay_steps=2000),
         run=run,
     )
     for group, values in changes.items():
@@ -35,7 +36,8 @@ def _restore_leaves(out_dir, config):
     from eqmoe.train.state import abstract_state
 
     model = Transformer(config, key=jax.random.key(0))
-    optimizer, _ = make_optimizer(sft.Args().optim, eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
+    optim = sft.Args().optim.for_run(30, 3e-3)  # the optimizer's state has the same shapes whatever the rate
+    optimizer, _ = make_optimizer(optim, eqx.filter(model, eqx.is_array), embed_dim=config.embed_dim)
     with Checkpointer(out_dir / "checkpoints") as checkpointer:
         state, metadata = checkpointer.restore(None, abstract_state(lambda: model, optimizer, key=jax.random.key(1)))
     state = eqx.tree_at(lambda s: s.key, state, jax.random.key_data(state.key))
