@@ -17,6 +17,7 @@ Outputs in ``--out-dir``: ``metrics.jsonl``, ``metrics.png``, ``checkpoints/`` (
 """
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,8 @@ class RunOptions(loop.RunOptions):
     out_dir: Path = Path("runs/sft")
     samples: int = 4
     """Held-out prompts to answer with greedy generation at the end."""
+    epochs: float | None = None
+    """Train this many passes over the training rows instead of --steps (the steps it makes are reported)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,13 @@ def run(args: Args) -> dict:
             "answer token; raise --seq-len"
         )
     dataset = PackedDataset(packed.rows)
+    if run_options.epochs is not None:
+        if run_options.epochs <= 0:
+            raise UsageError(f"--epochs {run_options.epochs:g} is invalid; allowed: a positive number")
+        steps = max(1, math.ceil(run_options.epochs * len(dataset) / (args.data.batch_size * run_options.grad_accum)))
+        run_options = dataclasses.replace(run_options, steps=steps)
+        args = dataclasses.replace(args, run=run_options)
+        print(f"--epochs {run_options.epochs:g}: {steps} steps over {len(dataset)} rows", file=sys.stderr)
     if packed.too_long:
         longest = max(len(ids) for ids, _ in data.train)
         print(

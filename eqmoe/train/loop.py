@@ -47,6 +47,9 @@ class RunOptions(OutputOptions, TrackerOptions):
 
     steps: int = 1600
     """Total optimizer steps of the run (a resumed run continues up to this)."""
+    grad_accum: int = 1
+    """Micro-batches of --batch-size rows per optimizer step, their gradients summed in a scan: a step sees the
+    data of one batch of grad_accum x --batch-size rows, holding the activations of one micro-batch at a time."""
     resume: bool = False
     """Continue the run in --out-dir from its latest readable checkpoint, with its stored arguments (flags given
     again may change how it executes: steps, dtype, remat, dispatch, mesh, logging, trackers)."""
@@ -67,7 +70,7 @@ class RunOptions(OutputOptions, TrackerOptions):
 
     def check(self) -> None:
         """A ``ValueError`` naming the first option that is not a positive number."""
-        for name in ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
+        for name in ("steps", "grad_accum", "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value} is invalid; allowed: a positive number")
@@ -259,7 +262,7 @@ def _train(
             trackers,
             checkpointer,
             parallelism,
-            make_train_step(optimizer, schedule, trained),
+            make_train_step(optimizer, schedule, trained, options.grad_accum),
             save=lambda state: _save(state, checkpointer, options, metadata.replace(config=config), trained),
         )
     finally:
@@ -302,7 +305,7 @@ def _steps(
     last_terms: dict = {}
     throughput = []
     for step in range(start, options.steps):
-        rows = dataset.batch_at(_int(state.data_step), batch_size, options.seed, shard=shard)
+        rows = dataset.batch_at(_int(state.data_step), batch_size * options.grad_accum, options.seed, shard=shard)
         tokens = float(np.sum(rows.segment_ids > 0)) * shard[1]
         started = time.perf_counter()
         state, terms = train_step(device_batch(rows, parallelism), state)

@@ -95,6 +95,7 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     trained: Callable[[Role], bool] | None = None,
+    micro_batches: int = 1,
 ) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
     """``train_step(batch, state) -> (state, metrics)``; the state's buffers are donated.
 
@@ -103,13 +104,48 @@ def make_train_step(
     base of a LoRA model): the bias decides routing as much as the router's weights do, and a PEFT adapter
     folder could not carry a moved one."""
 
-    return eqx.filter_jit(train_step_fn(optimizer, schedule, trained), donate="all-except-first")
+    return eqx.filter_jit(train_step_fn(optimizer, schedule, trained, micro_batches), donate="all-except-first")
+
+
+def _micro_batches(batch: Batch, count: int) -> Batch:
+    """``[count * rows, seq]`` as ``[count, rows, seq]``: micro-batch ``j`` is rows ``j, j + count, ...``, so each
+    device's block of rows (the batch axis is split in blocks) stays on it."""
+    return jax.tree.map(lambda x: jnp.moveaxis(x.reshape(-1, count, *x.shape[1:]), 1, 0), batch)
+
+
+def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
+    """The gradient of the whole batch's objective taken over ``count`` micro-batches in a ``lax.scan``, so that
+    activations are held for one micro-batch at a time. Each micro-batch's terms count by its share of the batch's
+    target tokens: cross-entropy (a mean over target tokens) equals the whole batch's; the router losses are
+    the token-weighted mean of the micro-batches'. Returns ``(terms, expert_counts, grads)`` like one batch."""
+    micro = _micro_batches(batch, count)
+    targets = jnp.sum(micro.target_mask[:, :, 1:], axis=(1, 2)).astype(jnp.float32)
+    shares = targets / jnp.maximum(jnp.sum(targets), 1.0)
+
+    def one(carry, inputs):
+        index, share, rows = inputs
+
+        def weighted(p):
+            loss, aux = loss_of(p, rows, jax.random.fold_in(key, index))
+            return loss * share, aux
+
+        (_, (terms, counts)), grads = eqx.filter_value_and_grad(weighted, has_aux=True)(part)
+        terms = {name: value if name == "target_tokens" else value * share for name, value in terms.items()}
+        step = (terms, counts, grads)  # counts (expert assignments) and target tokens add up; the rest is weighted
+        return step if carry is None else jax.tree.map(jnp.add, carry, step), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = eqx.filter_eval_shape(lambda: one(None, (0, shares[0], first))[0])
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    (terms, counts, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(count), shares, micro))
+    return terms, counts, grads
 
 
 def train_step_fn(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     trained: Callable[[Role], bool] | None = None,
+    micro_batches: int = 1,
 ) -> Callable[[Batch, TrainState], tuple[TrainState, Metrics]]:
     """The un-compiled train step (for lowering on abstract inputs, as ``experiments.plan`` does).
 
@@ -122,8 +158,14 @@ def train_step_fn(
         differentiated, constant = eqx.partition(state.model, role_mask(state.model, trained))
         step_key = jax.random.fold_in(state.key, state.step)  # the next state's key; this step's randomness below
         dropout_key = jax.random.fold_in(step_key, 0)
-        loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch, dropout_key)  # noqa: E731
-        (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
+        if micro_batches == 1:
+            loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch, dropout_key)  # noqa: E731
+            (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
+        else:
+            loss_of = lambda part, rows, key: batch_loss(eqx.combine(part, constant), rows, key)  # noqa: E731
+            terms, expert_counts, grads = accumulated_loss_and_grads(
+                loss_of, differentiated, batch, micro_batches, dropout_key
+            )
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
