@@ -54,7 +54,7 @@ def import_modules(names: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class StartOptions(PresetOptions, DtypeOption):
+class StartOptions(DtypeOption, PresetOptions):
     """Where a training run starts: a preset, or a trained model, with config changes and plug-in modules."""
 
     # an --override that changes the architecture is refused by the resume itself, naming the fields; a starting

@@ -72,7 +72,7 @@ from experiments.options import (
 
 
 @dataclass(frozen=True)
-class ModelOptions(StartOptions, DispatchOption, LoRAOptions):
+class ModelOptions(LoRAOptions, DispatchOption, StartOptions):
     changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch"}
 
 
@@ -97,7 +97,7 @@ def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class DataOptions(TokenizerOptions, ShapeOptions):
+class DataOptions(ShapeOptions, TokenizerOptions):
     changeable_on_resume: ClassVar[frozenset[str]] = frozenset({"cache_dir"})
 
     data: Path | None = None
