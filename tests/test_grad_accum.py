@@ -1,7 +1,5 @@
 """Gradient accumulation takes the step of one large batch: the same rows, the same cross-entropy and gradient,
-with one micro-batch's activations held at a time; --epochs turns passes over the data into steps."""
-
-import json
+with one micro-batch's activations held at a time (through sft, with --epochs: tests/test_run_folder.py)."""
 
 import equinox as eqx
 import jax
@@ -12,7 +10,6 @@ from eqmoe import Transformer, presets
 from eqmoe.config_io import apply_overrides
 from eqmoe.data import ByteTokenizer, PackedDataset, encode_chats, pack, synthetic_split
 from eqmoe.train.step import accumulated_loss_and_grads, batch_loss, device_batch
-from experiments import sft
 
 
 def test_micro_batches_give_the_gradient_of_their_union():
@@ -35,16 +32,3 @@ def test_micro_batches_give_the_gradient_of_their_union():
         assert terms["target_tokens"] == whole["target_tokens"]
         for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
             np.testing.assert_allclose(got, want, atol=1e-6 * scale, rtol=0)
-
-
-def test_epochs_and_grad_accum_through_sft(tmp_path, capsys):
-    args = sft.Args(
-        data=sft.DataOptions(seq_len=64, batch_size=2, train_examples=60, eval_examples=4),
-        run=sft.RunOptions(out_dir=tmp_path, epochs=1.0, grad_accum=2, samples=0, eval_every=100, log_every=1),
-    )
-    summary = sft.run(args)
-    rows = int(capsys.readouterr().err.split("steps over ")[1].split()[0])
-    assert summary["steps"] == -(-rows // 4)  # 2 micro-batches of 2 rows a step
-    losses = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(np.isfinite(r["loss"]) for r in losses if "loss" in r)
-    assert jnp.isfinite(summary["eval_loss"])

@@ -153,7 +153,9 @@ def test_a_registered_backend_runs_like_dense_and_is_planned_by_its_own_estimate
         moe_layers = config.ffn_kinds().count("moe")
         assert mine.activations - dense.activations == pytest.approx(batch * seq * moe_layers * EXTRA_BYTES)
 
-        args = plan_cli.Args(preset="qwen3-moe-micro", batch=batch, seq=seq, dispatch="dense_again", compile=False)
+        args = plan_cli.Args(
+            preset="qwen3-moe-micro", batch_size=batch, seq_len=seq, dispatch="dense_again", compile=False
+        )
         assert plan_cli.main(args) == 0
         capsys.readouterr()
     # Once unregistered, the name is refused, never planned with another backend's estimate.

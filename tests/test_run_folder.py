@@ -1,5 +1,6 @@
 """A run folder is never overwritten by accident; ``--resume`` alone replays the run's stored arguments; a damaged
-latest checkpoint is set aside and the run continues from the step before, to the uninterrupted run's loss."""
+latest checkpoint is set aside and the run continues from the step before, to the uninterrupted run's loss. The
+runs take their steps from ``--epochs`` and accumulate two micro-batches a step, which the resume replays exactly."""
 
 import json
 import os
@@ -23,6 +24,8 @@ FLAGS = [
     "--seed=3",
     "--learning-rate=2e-3",
     "--warmup-steps=2",
+    "--grad-accum=2",  # 2 micro-batches of 4 rows a step
+    "--epochs=0.2",  # of 300 rows: 60 rows, 8 steps of 8 rows
 ]
 
 
@@ -38,8 +41,10 @@ def _snapshot(folder) -> dict[str, bytes]:
 def finished(tmp_path_factory):
     """An uninterrupted 8-step run (checkpoints at steps 4 and 8) and its summary."""
     out = tmp_path_factory.mktemp("runs") / "straight"
-    assert sft.main(_parse(*FLAGS, "--steps=8", f"--out-dir={out}")) == 0
-    return out, json.loads((out / "summary.json").read_text())
+    assert sft.main(_parse(*FLAGS, f"--out-dir={out}")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8 and (out / "checkpoints" / "8").is_dir()
+    return out, summary
 
 
 def test_a_new_run_into_a_run_folder_is_refused_and_leaves_it_byte_identical(finished, capsys):
