@@ -84,6 +84,7 @@ class Args(StartOptions, ShapeOptions, TokenizerOption, MeshOptions, TrackerOpti
     """Every variant starts from the same model (``--preset`` or ``--init-from-*``, with ``--override``) and trains
     on the same data; the variants differ only in their own overrides."""
 
+    wandb_project: str = "eqmoe-ablate"
     variants: tuple[str, ...] = ()
     """Variants to run, by name (default: all of VARIANTS; with --variants-file, baseline and the file's)."""
     variants_file: Path | None = None

@@ -223,7 +223,8 @@ def test_an_optimizer_refuses_arrays_without_a_role():
 # --- learning ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["envy-test", "envy-test-maxtext"])
+# the MaxText reading's own behaviour (its router gradient, its objective) has tests of its own
+@pytest.mark.parametrize("name", ["envy-test", pytest.param("envy-test-maxtext", marks=pytest.mark.slow)])
 def test_envy_test_overfits_a_fixed_batch(name):
     config = presets.get(name)
     model = Transformer(config, key=jax.random.key(8))

@@ -84,7 +84,7 @@ def _output_and_grads(moe: MoE, x):
         y = moe_and_x[0](moe_and_x[1])[0]
         return jnp.sum(jnp.sin(y)), y
 
-    (_, y), grads = eqx.filter_value_and_grad(loss, has_aux=True)((moe, x))
+    (_, y), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))((moe, x))
     return y, grads
 
 

@@ -17,7 +17,8 @@ def _one_device():
 
 @pytest.mark.parametrize(
     ("preset", "remat"),
-    [("qwen3-moe-micro", "none"), ("qwen3-moe-micro", "block"), ("qwen3-moe-tiny", "none"), ("envy-test", "none")],
+    [("qwen3-moe-micro", "none"), ("qwen3-moe-micro", "block"), ("envy-test", "none")]
+    + [pytest.param("qwen3-moe-tiny", "none", marks=pytest.mark.slow)],  # micro's formulas at other sizes
 )
 def test_analytic_estimate_agrees_with_xla_within_15_percent(preset, remat):
     config = presets.get(preset).replace(remat=remat)

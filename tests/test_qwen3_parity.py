@@ -96,7 +96,8 @@ def _reference_gradients(reference) -> dict[str, np.ndarray]:
     return grads
 
 
-@pytest.mark.parametrize("backend", ["auto", "dense", "ragged_dot"])
+# dense is the reference the other backends are held to (tests/test_stack_and_dispatch.py): with -m slow
+@pytest.mark.parametrize("backend", ["auto", pytest.param("dense", marks=pytest.mark.slow), "ragged_dot"])
 def test_gradients_match_torch(tmp_path, backend):
     save_tiny_hf(tmp_path, seed=4, mlp_only_layers=[1], router_aux_loss_coef=0.05)
     reference = load_reference(tmp_path)

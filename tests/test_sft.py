@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from eqmoe import Transformer, presets
 from eqmoe.checkpoints.orbax import Checkpointer
@@ -44,6 +45,9 @@ def _restore_leaves(out_dir, config):
     return jax.tree.leaves(eqx.filter(state, eqx.is_array)), metadata
 
 
+# Every leaf bit for bit after a resume: tests/test_reliability.py (the same loop, killed and resumed) and
+# tests/test_run_folder.py (sft resumed to the same loss) cover it by default.
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     straight = sft.run(_args(tmp_path / "a", 30))
     sft.run(_args(tmp_path / "b", 15))

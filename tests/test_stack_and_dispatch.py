@@ -36,7 +36,9 @@ def _loss_and_grads(model, tokens):
     return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model)
 
 
-@pytest.mark.parametrize("remat", ["none", "block"])
+# remat=block recomputes what the scan saves: its numbers are checked against an uninterrupted run by
+# tests/test_resume_execution.py, and its memory by tests/test_plan.py
+@pytest.mark.parametrize("remat", ["none", pytest.param("block", marks=pytest.mark.slow)])
 def test_scanned_and_unrolled_stacks_agree(remat):
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, SMALL.vocab_size)
     scanned = Transformer(SMALL.replace(remat=remat), key=jax.random.key(0))
@@ -53,15 +55,15 @@ def test_scanned_and_unrolled_stacks_agree(remat):
 
 
 def test_router_stats_are_in_layer_order():
-    """A unit of two MoE blocks scanned three times reports six layers in checkpoint order."""
-    config = SMALL.replace(layers=tuple(["moe", "moe"] * 3))
+    """A unit of two MoE blocks scanned twice reports four layers in checkpoint order."""
+    config = SMALL.replace(layers=tuple(["moe", "moe"] * 2))
     model = Transformer(config, key=jax.random.key(2))
     tokens = jax.random.randint(jax.random.key(3), (1, 6), 0, config.vocab_size)
     aux = eqx.filter_jit(model)(tokens).aux
-    assert aux.expert_counts.shape == (6, config.moe.router.num_experts)
+    assert aux.expert_counts.shape == (4, config.moe.router.num_experts)
     unrolled = Transformer(config.replace(scan_layers=False), key=jax.random.key(2))
     np.testing.assert_allclose(aux.prob_sum, eqx.filter_jit(unrolled)(tokens).aux.prob_sum, atol=1e-6)
-    assert float(aux.expert_counts.sum()) == 6 * 6 * config.moe.router.top_k
+    assert float(aux.expert_counts.sum()) == 4 * 6 * config.moe.router.top_k
 
 
 def _moe_case(num_experts, top_k, embed=8, width=6, seed=0):
