@@ -1,5 +1,6 @@
-"""How the experiments' command lines fail: an expected failure is one line on stderr and exit code 2;
-anything else (a bug) keeps its traceback."""
+"""What every experiment's command line does around its run: an expected failure is one line on stderr and exit
+code 2 (anything else, a bug, keeps its traceback); ``--resume`` replays the arguments the run stored; a tokenizer
+that does not fit the model is refused."""
 
 import dataclasses
 import errno
