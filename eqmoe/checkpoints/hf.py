@@ -21,6 +21,7 @@ from eqmoe import parallel
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
+from eqmoe.data.hub import resolve_folder
 from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.models.family import TensorName
@@ -42,8 +43,8 @@ SIDE_FILES = (  # travel with the weights through conversions: tokenizer and gen
 
 
 def read_config(folder: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` described by ``folder/config.json``."""
-    path = Path(folder) / "config.json"
+    """The :class:`ModelConfig` described by ``folder/config.json`` (``folder`` may be a Hub id ORG/NAME[@REV])."""
+    path = resolve_folder(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (a Hugging Face model folder needs config.json)")
     try:
@@ -197,8 +198,9 @@ def load(
     time. With it, each parameter goes straight to the sharding its logical axes give it
     (:func:`eqmoe.parallel.tree_shardings`): every device's slice is read from the files on its own (only the
     checkpoint tensors it overlaps), so the host holds one slice at a time and no device holds more than its share.
+    ``folder`` may be a Hub id ORG/NAME[@REVISION], read through the Hugging Face cache.
     """
-    folder = Path(folder)
+    folder = resolve_folder(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
     config = read_config(folder)
