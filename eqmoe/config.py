@@ -13,6 +13,7 @@ from typing import Literal
 
 from eqmoe._checks import _check, _one_of, _positive
 from eqmoe._checks import is_number as _is_number
+from eqmoe.latent_attention import LatentAttentionConfig  # noqa: F401 (part of the config API)
 from eqmoe.rope_scaling import ROPE_TYPES, RopeScaling  # noqa: F401 (part of the config API)
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -63,6 +64,9 @@ class AttentionConfig:
     output projection (``"qkvo"``: OLMoE's ``attention_bias``).
     ``clip_qkv``: queries, keys and values clamped to ``[-clip_qkv, clip_qkv]`` after biases and QK-norm, before
     RoPE (OLMoE's ``clip_qkv``).
+    ``latent``: the widths of multi-head latent attention (:class:`LatentAttentionConfig`), read by the ``mla``
+    attention kind (DeepSeek-V2/V3), whose ``head_dim`` is the query/key width and ``num_kv_heads`` equals
+    ``num_heads``; ``None`` for the other kinds.
     ``backend`` computes the scores (every backend gives the same numbers), a name registered in
     :data:`eqmoe.registries.ATTENTION_BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
@@ -81,6 +85,7 @@ class AttentionConfig:
     rotary_dim: int | None = None
     bias: Literal["none", "qkv", "qkvo"] = "none"
     clip_qkv: float | None = None
+    latent: LatentAttentionConfig | None = None
     backend: str = execution("auto")
     block_size: int = execution(256)
 
@@ -140,6 +145,21 @@ class AttentionConfig:
             self.clip_qkv,
             "None | a positive number",
         )
+        latent = self.latent
+        _check(
+            latent is None or isinstance(latent, LatentAttentionConfig),
+            "AttentionConfig",
+            "latent",
+            latent,
+            "None | a LatentAttentionConfig",
+        )
+        _check(
+            latent is None or latent.rope_dim < self.head_dim,
+            "AttentionConfig",
+            "head_dim",
+            self.head_dim,
+            f"more than latent.rope_dim={getattr(latent, 'rope_dim', None)} (head_dim is nope + rope widths)",
+        )
         scaling = self.rope_scaling
         _check(
             scaling is None or isinstance(scaling, RopeScaling),
@@ -197,7 +217,8 @@ class RouterConfig:
     ``expert_groups > 1`` is DeepSeek-V3's group-limited routing: the experts split into ``expert_groups``
     contiguous groups, each scored by the sum of its two best choice scores (the strategy's scores plus the
     selection bias), and the top-k is taken among the experts of the ``expert_groups_kept`` best groups only
-    (``None``: every group).
+    (``None``: every group). ``expert_group_score`` says how a group is scored: ``"top2_sum"`` (DeepSeek-V3, the sum
+    of its two best) or ``"max"`` (DeepSeek-V2's ``group_limited_greedy``, its best).
     """
 
     num_experts: int
@@ -210,6 +231,7 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     expert_groups: int = 1
     expert_groups_kept: int | None = None
+    expert_group_score: Literal["top2_sum", "max"] = "top2_sum"
 
     def __post_init__(self):
         _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k, num_groups=self.num_groups)
@@ -226,8 +248,9 @@ class RouterConfig:
             groups,
             f"a divisor of num_experts={self.num_experts}",
         )
+        _one_of("RouterConfig", "expert_group_score", self.expert_group_score, ("top2_sum", "max"))
         _check(
-            groups == 1 or self.num_experts // groups >= 2,
+            groups == 1 or self.num_experts // groups >= 2 or self.expert_group_score == "max",
             "RouterConfig",
             "expert_groups",
             groups,
@@ -423,6 +446,10 @@ class ModelConfig:
     ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
     ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
     ``embed_dim^-0.5`` (``"rsqrt_embed"``, MaxText).
+    ``mtp_layers``: multi-token-prediction layers kept after the decoder (DeepSeek-V3's ``num_nextn_predict_layers``,
+    :class:`eqmoe.nn.mtp.MTPLayer`); the causal LM's output and loss do not read them. ``mtp_layers_declared``: what a
+    ``config.json`` declares when its folder holds fewer (transformers saves ``num_nextn_predict_layers: 1`` and no
+    such layer), written back by exports; ``None``: ``mtp_layers``.
     ``family``: the :mod:`eqmoe.models` family whose checkpoint formats read and write this config
     (``"qwen3_moe"``, whose Hugging Face format also holds the generic decoder's defaults, or ``"envy"``).
 
@@ -462,6 +489,8 @@ class ModelConfig:
     param_dtype: DType = "float32"
     scan_layers: bool = execution(True)
     remat: Literal["none", "block"] = execution("none")
+    mtp_layers: int = 0
+    mtp_layers_declared: int | None = execution(None)
     family: str = "qwen3_moe"
 
     def __post_init__(self):
@@ -475,6 +504,14 @@ class ModelConfig:
         _one_of("ModelConfig", "remat", self.remat, ("none", "block"))
         _one_of("ModelConfig", "init", self.init, ("normal", "fan_in"))
         _one_of("ModelConfig", "tied_logit_scale", self.tied_logit_scale, ("none", "rsqrt_embed"))
+        mtp = self.mtp_layers
+        _check(
+            isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0,
+            "ModelConfig",
+            "mtp_layers",
+            mtp,
+            "an integer >= 0",
+        )
 
     @property
     def num_layers(self) -> int:

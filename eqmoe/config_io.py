@@ -7,6 +7,7 @@ import dataclasses
 
 from eqmoe.config import (
     AttentionConfig,
+    LatentAttentionConfig,
     LayerKind,
     LossConfig,
     ModelConfig,
@@ -72,6 +73,8 @@ def config_from_dict(values: dict) -> ModelConfig:
         attention = dict(values.pop("attention"))
         if isinstance(attention.get("rope_scaling"), dict):
             attention["rope_scaling"] = RopeScaling(**attention["rope_scaling"])
+        if isinstance(attention.get("latent"), dict):
+            attention["latent"] = LatentAttentionConfig(**attention["latent"])
         return ModelConfig(
             **{
                 **values,

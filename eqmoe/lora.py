@@ -119,7 +119,7 @@ def _parts(model) -> Iterator[Layer]:
 
     def walk(node):
         for leaf in jax.tree.leaves(node, is_leaf=lambda x: x is not node and isinstance(x, Layer)):
-            if isinstance(leaf, Layer) and not isinstance(leaf, Linear):
+            if isinstance(leaf, Layer) and not isinstance(leaf, Linear) and getattr(leaf, "holds_adapters", True):
                 if _is_part(leaf):
                     yield leaf
                 yield from walk(leaf)

@@ -13,6 +13,7 @@ from eqmoe.config_io import architecture_differences, format_differences
 from eqmoe.nn.block import model_init
 from eqmoe.nn.context import Context, attention_mask, cache_mask, causal_mask
 from eqmoe.nn.linear import Linear
+from eqmoe.nn.mtp import MTPLayer
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.router import Routing
 from eqmoe.nn.routing_stats import RouterStats, layer_stats
@@ -92,12 +93,13 @@ class Transformer(Layer):
     segments: tuple[RepeatedUnit, ...]
     final_norm: RMSNorm
     lm_head: Float[Array, "embed vocab"] | None = param(Role.OUTPUT)
+    mtp: tuple[MTPLayer, ...]
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         check_names(config)
         stack = segments(config.layers)
-        k_embed, k_head, *k_segments = jax.random.split(key, 2 + len(stack))
+        k_embed, k_head, k_mtp, *k_segments = jax.random.split(key, 3 + len(stack))
         init = model_init(config)
         self.embed = init.embedding(k_embed, config.vocab_size, config.embed_dim)
         self.segments = tuple(
@@ -111,6 +113,7 @@ class Transformer(Layer):
             if config.tie_embeddings
             else init.weight(k_head, (config.embed_dim, config.vocab_size), fan_in=config.embed_dim)
         )
+        self.mtp = tuple(MTPLayer(config, key=k) for k in jax.random.split(k_mtp, config.mtp_layers))
         self.config = config
 
     def __call__(

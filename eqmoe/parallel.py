@@ -18,9 +18,9 @@ expert_mlp   tensor                  each expert's width
 experts      expert                  expert parallelism: each device holds E / expert experts
 ===========  ======================  ============================================================
 
-Everything else (``layers``, ``head_dim``, ``seq``, ``lora_rank`` for adapters' rank, ``norm`` for norm
-scales, ``gates`` for the router's per-expert scores) is replicated. Each parameter names its logical axes
-once, in the annotation of the field that declares it
+Everything else (``layers``, ``head_dim``, ``seq``, ``lora_rank`` for adapters' rank, ``latent`` for latent
+attention's low ranks, ``norm`` for norm scales, ``gates`` for the router's per-expert scores) is replicated.
+Each parameter names its logical axes once, in the annotation of the field that declares it
 (``wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)``), with a leading ``layers`` axis
 added for every stacking; an axis name with no rule is an error. A dimension
 whose size the mesh axes do not divide is replicated instead. Rules are overridable
@@ -52,6 +52,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    "latent": (),
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "experts": ("expert",),

@@ -35,11 +35,13 @@ class Role(enum.Enum):
     BIAS = "bias"  # additive biases of linear maps (attention projections of Qwen2-MoE, OLMoE, GLM-4.5)
     ROUTER_BIAS = "router_bias"  # aux-loss-free selection bias: state moved outside the gradient
     ADAPTER = "adapter"  # a low-rank (LoRA) factor added to a frozen weight
+    MTP = "mtp"  # a multi-token-prediction layer's parameter: kept from the files, outside the causal LM's loss
 
     @property
     def trained(self) -> bool:
-        """Updated by the optimizer (the router bias is moved by ``eqmoe.train.balance`` instead)."""
-        return self is not Role.ROUTER_BIAS
+        """Updated by the optimizer (the router bias is moved by ``eqmoe.train.balance`` instead; the
+        multi-token-prediction layers take no part in the loss, so weight decay alone would move them)."""
+        return self not in (Role.ROUTER_BIAS, Role.MTP)
 
     @property
     def hidden_matrix(self) -> bool:
@@ -130,8 +132,10 @@ class Layer(eqx.Module):
                 raise _undeclared(type(self), field.name)
 
 
-def _layer_info(layer: Layer) -> Layer:
-    """``layer`` with every parameter replaced by its :class:`ParamInfo` (same tree structure)."""
+def _layer_info(layer: Layer, outer_role: Role | None = None) -> Layer:
+    """``layer`` with every parameter replaced by its :class:`ParamInfo` (same tree structure). A layer whose class
+    sets ``parameter_role`` gives that role to every parameter inside it (nested layers included)."""
+    outer_role = getattr(type(layer), "parameter_role", None) or outer_role
     declared = layer.declared()
     info = object.__new__(type(layer))
     for field in dataclasses.fields(layer):
@@ -143,14 +147,14 @@ def _layer_info(layer: Layer) -> Layer:
                 stacked = len(leaf.shape) - len(dims)
                 if stacked < 0:
                     raise ValueError(f"{type(layer).__name__}.{name}: shape {leaf.shape} has fewer axes than {dims}")
-                return ParamInfo(role, ("layers",) * stacked + dims)
+                return ParamInfo(outer_role or role, ("layers",) * stacked + dims)
 
             value = jax.tree.map(describe, value)
         elif not field.metadata.get("static", False):
 
             def inner(node, name=field.name):
                 if isinstance(node, Layer):
-                    return _layer_info(node)
+                    return _layer_info(node, outer_role)
                 if _is_array(node):
                     raise _undeclared(type(layer), name)
                 return node

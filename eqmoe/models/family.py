@@ -116,6 +116,12 @@ class Family:
             if config.family != self.name:
                 raise ValueError(f"preset {preset!r} of family {self.name!r} says family={config.family!r}")
 
+    @property
+    def hf_model_types(self) -> tuple[str, ...]:
+        """Every ``model_type`` whose files this family reads (its own first)."""
+        also = () if self.field_map is None else self.field_map.also_reads
+        return () if self.hf_model_type is None else (self.hf_model_type, *also)
+
     def ignored_keys(self, hf: dict[str, Any]) -> list[str]:
         """The keys of a ``config.json`` dictionary transformers ignores for this family (none without a table)."""
         return [] if self.field_map is None else self.field_map.ignored_keys(hf)
@@ -140,9 +146,9 @@ def get(name: str) -> Family:
 def from_hf_model_type(model_type: Any, source: str) -> Family:
     """The family whose checkpoints say ``"model_type": model_type`` in ``config.json``."""
     for _, family in FAMILIES.items():
-        if family.hf_model_type is not None and family.hf_model_type == model_type:
+        if family.hf_model_type is not None and model_type in family.hf_model_types:
             return family
-    known = sorted(f.hf_model_type for _, f in FAMILIES.items() if f.hf_model_type)
+    known = sorted(name for _, f in FAMILIES.items() if f.hf_model_type for name in f.hf_model_types)
     raise ValueError(f"{source}: model_type {model_type!r} is not supported; allowed: {' | '.join(known)}")
 
 

@@ -145,6 +145,9 @@ COMMON_KNOWN = Known(
         "id2label",
         "label2id",
         "problem_type",
+        # how the weights are stored, not what they compute: eqmoe.checkpoints.hf dequantizes what it can read
+        # and refuses the rest
+        "quantization_config",
     )
 )
 COMMON_FIXED = (Fixed("chunk_size_feed_forward", 0, written=False), Fixed("is_encoder_decoder", False, written=False))
@@ -197,6 +200,13 @@ class FieldMap:
     template: ModelConfig
     entries: tuple[Entry, ...]
     free: tuple[str, ...] = ()  # architecture fields the format leaves to eqmoe (any value exports)
+    # other model_type values whose files are this format (Kimi K2's "kimi_k2" names DeepseekV3ForCausalLM);
+    # exports write ``model_type``
+    also_reads: tuple[str, ...] = ()
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.model_type, *self.also_reads)
 
     def __post_init__(self):
         seen: dict[str, Entry] = {}
@@ -229,10 +239,9 @@ class FieldMap:
     def read(self, hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
         """The :class:`ModelConfig` of a ``config.json`` dictionary of this family, or a one-line ``ValueError``
         naming ``source`` and the key at fault. Keys transformers ignores are accepted (:meth:`ignored_keys`)."""
-        if hf.get("model_type") != self.model_type:
-            raise ValueError(
-                f"{source}: model_type {hf.get('model_type')!r} is not supported; allowed: {self.model_type!r}"
-            )
+        if hf.get("model_type") not in self.model_types:
+            allowed = " | ".join(repr(name) for name in self.model_types)
+            raise ValueError(f"{source}: model_type {hf.get('model_type')!r} is not supported; allowed: {allowed}")
         values = config_to_dict(self.template)
         for entry in self._all:
             if isinstance(entry, Fixed):

@@ -19,7 +19,6 @@ The Hub's checkpoints also hold the multi-token-prediction layers (``num_nextn_p
 last decoder layer; transformers ignores them on load, and so does eqmoe (:data:`SKIPPED_KEYS`).
 """
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from eqmoe.config import (
@@ -33,8 +32,17 @@ from eqmoe.config import (
 )
 from eqmoe.models import qwen3_moe
 from eqmoe.models.family import Family, TensorName, layer_slots, register, swiglu_names
-from eqmoe.models.field_map import Field, FieldMap, Fixed, Known, Rule, show
-from eqmoe.models.hf_config import decoder_fields, layer_kinds_from_hf, rope_rule
+from eqmoe.models.field_map import Field, FieldMap, Fixed, Known
+from eqmoe.models.hf_config import (
+    decoder_fields,
+    dense_first_rule,
+    expert_widths_rule,
+    layer_kinds_from_hf,
+    on_off,
+    positive_shared,
+    rope_rule,
+    selection_bias_rule,
+)
 
 NAME = "glm4_moe"
 
@@ -165,79 +173,6 @@ PRESETS: dict[str, ModelConfig] = {
 SKIPPED_KEYS = (r"model\.layers\.92.*", r"model\.layers\.46.*")
 
 
-def _widths_read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """``moe_intermediate_size``: each routed expert's width, and each shared expert's."""
-    if "moe_intermediate_size" not in hf:
-        raise ValueError(f"{source}: missing field 'moe_intermediate_size'")
-    width = hf["moe_intermediate_size"]
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"{source}: moe_intermediate_size={show(width)} is invalid; allowed: a positive integer")
-    return {"moe.expert_dim": width, "moe.shared_expert_dim": width}
-
-
-def _widths_write(config: ModelConfig) -> dict[str, Any]:
-    moe = config.moe
-    if moe.shared_expert_dim not in (None, moe.expert_dim):  # one SwiGLU of moe_intermediate_size * n_shared_experts
-        raise ValueError(
-            f"moe.shared_expert_dim={moe.shared_expert_dim!r} has no Hugging Face GLM-4.5 MoE equivalent; allowed: "
-            f"None | {moe.expert_dim}"
-        )
-    return {"moe_intermediate_size": moe.expert_dim}
-
-
-def _dense_prefix(kinds: tuple[str, ...]) -> int | None:
-    """``first_k_dense_replace`` for ``kinds`` (``k`` dense layers, then only MoE), or ``None`` if they are not."""
-    k = kinds.index("moe") if "moe" in kinds else len(kinds)
-    return k if set(kinds[k:]) <= {"moe"} else None
-
-
-def _layers_read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """HF Glm4MoeDecoderLayer: layer ``i`` is dense iff ``i < first_k_dense_replace``."""
-    if "num_hidden_layers" not in hf:
-        raise ValueError(f"{source}: missing field 'num_hidden_layers'")
-    layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 1)
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"{source}: num_hidden_layers={show(layers)} is invalid; allowed: a positive integer")
-    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
-        raise ValueError(f"{source}: first_k_dense_replace={show(dense)} is invalid; allowed: an integer >= 0")
-    return {"layers": tuple("dense" if i < dense else "moe" for i in range(layers))}
-
-
-def _layers_write(config: ModelConfig) -> dict[str, Any]:
-    kinds = config.ffn_kinds()
-    dense = _dense_prefix(kinds)
-    if dense is None or any(layer != type(layer)(ffn=layer.ffn) for layer in config.layers):
-        raise ValueError(f"layers={kinds!r} has no Hugging Face GLM-4.5 MoE equivalent; allowed: 'dense, then moe'")
-    return {"num_hidden_layers": len(kinds), "first_k_dense_replace": dense}
-
-
-def _shared_write(count: int) -> int:
-    if count <= 0:  # transformers' MoE block always holds a shared SwiGLU
-        raise ValueError("allowed: a positive number")
-    return count
-
-
-def _bias_rate_write(config: ModelConfig) -> dict[str, Any]:
-    """The router's ``bias_update_rate`` (how eqmoe keeps moving the selection bias) may be any positive rate: the
-    bias itself is written as ``e_score_correction_bias``, which transformers holds always and never updates."""
-    rate = config.moe.router.bias_update_rate
-    if rate <= 0:
-        raise ValueError(
-            f"moe.router.bias_update_rate={rate!r} has no Hugging Face GLM-4.5 MoE equivalent; "
-            "allowed: a positive number"
-        )
-    return {}
-
-
-def _on_off(on: str, off: str, key: str) -> Callable[[str], bool]:
-    def write(value: str) -> bool:
-        if value not in (on, off):
-            raise ValueError(f"allowed: {off!r} | {on!r} ({key})")
-        return value == on
-
-    return write
-
-
 FIELD_MAP = FieldMap(
     model_type=NAME,
     architecture="Glm4MoeForCausalLM",
@@ -246,10 +181,10 @@ FIELD_MAP = FieldMap(
     entries=(
         *decoder_fields(kv_default=8, eps=1e-5),
         Field("intermediate_size", "mlp_dim", kind="positive"),
-        Rule(("moe_intermediate_size",), ("moe.expert_dim", "moe.shared_expert_dim"), _widths_read, _widths_write),
+        expert_widths_rule("GLM-4.5 MoE"),
         Field("n_routed_experts", "moe.router.num_experts", 128, kind="positive", aliases=("num_local_experts",)),
         Field("num_experts_per_tok", "moe.router.top_k", 8, kind="positive"),
-        Field("n_shared_experts", "moe.shared_experts", 1, kind="positive", write=_shared_write),
+        Field("n_shared_experts", "moe.shared_experts", 1, kind="positive", write=positive_shared),
         Field("routed_scaling_factor", "moe.router.routed_scaling_factor", 1.0, kind="positive_number", read=float),
         Field("n_group", "moe.router.expert_groups", 1, kind="positive"),
         Field("topk_group", "moe.router.expert_groups_kept", 1, kind="positive"),
@@ -260,7 +195,7 @@ FIELD_MAP = FieldMap(
             False,
             kind="bool",
             read=lambda on: "before_rope" if on else "none",
-            write=_on_off("before_rope", "none", "use_qk_norm"),
+            write=on_off("before_rope", "none", "use_qk_norm"),
         ),
         Field(
             "attention_bias",
@@ -268,10 +203,10 @@ FIELD_MAP = FieldMap(
             False,
             kind="bool",
             read=lambda on: "qkv" if on else "none",
-            write=_on_off("qkv", "none", "attention_bias: q, k and v; o_proj has none"),
+            write=on_off("qkv", "none", "attention_bias: q, k and v; o_proj has none"),
         ),
-        Rule(("num_hidden_layers", "first_k_dense_replace"), ("layers",), _layers_read, _layers_write),
-        Rule((), ("moe.router.bias_update_rate",), lambda hf, source: {}, _bias_rate_write),
+        dense_first_rule("GLM-4.5 MoE", 1),
+        selection_bias_rule("GLM-4.5 MoE"),
         rope_rule(131072, "GLM-4.5 MoE", partial_default=0.5),
         Fixed("hidden_act", "silu"),
         Fixed("attention_dropout", 0.0),
@@ -308,7 +243,8 @@ def checkpoint_names(config: ModelConfig) -> list[TensorName]:
     for layer, s, r, u, kind in layer_slots(config):
         if kind.ffn == "moe":
             block, prefix = ("segments", s, "blocks", u, "ffn"), f"model.layers.{layer}.mlp."
-            names.append(TensorName(prefix + "gate.e_score_correction_bias", (*block, "router", "bias"), (r,)))
+            if config.moe.router.bias_update_rate > 0:  # DeepSeek-V2's router has no selection bias
+                names.append(TensorName(prefix + "gate.e_score_correction_bias", (*block, "router", "bias"), (r,)))
             names += swiglu_names(prefix + "shared_experts.", (*block, "shared_expert"), (r,))
     return names
 

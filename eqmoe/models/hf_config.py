@@ -8,7 +8,7 @@ change.
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from eqmoe.config import ModelConfig, RopeScaling
+from eqmoe.config import LayerKind, ModelConfig, RopeScaling
 from eqmoe.models.field_map import Field, Rule, show
 
 # What each rope_type's parameters may hold besides rope_type, rope_theta and partial_rotary_factor:
@@ -320,3 +320,87 @@ def decoder_fields(
     if tie:
         fields.append(Field("tie_word_embeddings", "tie_embeddings", False, kind="bool"))
     return tuple(fields)
+
+
+def expert_widths_rule(label: str) -> Rule:
+    """``moe_intermediate_size`` <-> each routed expert's width and each shared expert's (DeepSeek, GLM-4.5: the
+    shared experts are one SwiGLU of ``moe_intermediate_size * n_shared_experts``)."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if "moe_intermediate_size" not in hf:
+            raise ValueError(f"{source}: missing field 'moe_intermediate_size'")
+        width = hf["moe_intermediate_size"]
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"{source}: moe_intermediate_size={show(width)} is invalid; allowed: a positive integer")
+        return {"moe.expert_dim": width, "moe.shared_expert_dim": width}
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        moe = config.moe
+        if moe.shared_expert_dim not in (None, moe.expert_dim):
+            raise ValueError(
+                f"moe.shared_expert_dim={moe.shared_expert_dim!r} has no Hugging Face {label} equivalent; allowed: "
+                f"None | {moe.expert_dim}"
+            )
+        return {"moe_intermediate_size": moe.expert_dim}
+
+    return Rule(("moe_intermediate_size",), ("moe.expert_dim", "moe.shared_expert_dim"), read, write)
+
+
+def dense_first_rule(label: str, dense_default: int, attention: str = "gqa") -> Rule:
+    """``num_hidden_layers`` + ``first_k_dense_replace`` <-> ``layers``: layer ``i`` is a dense SwiGLU iff
+    ``i < first_k_dense_replace``, routed experts after (DeepSeek, GLM-4.5), every one with ``attention``."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if "num_hidden_layers" not in hf:
+            raise ValueError(f"{source}: missing field 'num_hidden_layers'")
+        layers = _integer(hf, "num_hidden_layers", None, source)
+        dense = _integer(hf, "first_k_dense_replace", dense_default, source, minimum=0)
+        return {"layers": tuple(LayerKind(attention, "dense" if i < dense else "moe") for i in range(layers))}
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        kinds = config.ffn_kinds()
+        dense = kinds.index("moe") if "moe" in kinds else len(kinds)
+        plain = all(layer == LayerKind(attention, layer.ffn) for layer in config.layers)
+        if set(kinds[dense:]) - {"moe"} or not plain:
+            raise ValueError(
+                f"layers={config.layers!r} has no Hugging Face {label} equivalent; allowed: {attention} attention "
+                "in every layer, dense FFNs first, then moe"
+            )
+        return {"num_hidden_layers": len(kinds), "first_k_dense_replace": dense}
+
+    return Rule(("num_hidden_layers", "first_k_dense_replace"), ("layers",), read, write)
+
+
+def positive_shared(count: int) -> int:
+    """``n_shared_experts`` as written: at least one (transformers' DeepSeek and GLM MoE blocks always hold one)."""
+    if count <= 0:
+        raise ValueError("allowed: a positive number")
+    return count
+
+
+def selection_bias_rule(label: str) -> Rule:
+    """The router's ``bias_update_rate`` (how eqmoe keeps moving the aux-loss-free selection bias) may be any
+    positive rate, which creates the bias ``e_score_correction_bias`` loads into; transformers holds that bias
+    always and never updates it, and no key says the rate."""
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        rate = config.moe.router.bias_update_rate
+        if rate <= 0:
+            raise ValueError(
+                f"moe.router.bias_update_rate={rate!r} has no Hugging Face {label} equivalent; allowed: a positive "
+                "number"
+            )
+        return {}
+
+    return Rule((), ("moe.router.bias_update_rate",), lambda hf, source: {}, write)
+
+
+def on_off(on: str, off: str, key: str) -> Callable[[str], bool]:
+    """The writer of a boolean key that stands for a config field's value ``on`` (true) or ``off`` (false)."""
+
+    def write(value: str) -> bool:
+        if value not in (on, off):
+            raise ValueError(f"allowed: {off!r} | {on!r} ({key})")
+        return value == on
+
+    return write

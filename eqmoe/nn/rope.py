@@ -58,12 +58,24 @@ def _yarn_correction_range(scaling: RopeScaling, head_dim: int, theta: float) ->
     return max(low, 0), min(high, head_dim - 1)
 
 
+def _yarn_factor(scaling: RopeScaling) -> float:
+    if scaling.factor is None:  # DeepSeek-V3 style: the factor is the ratio of the two context lengths
+        return scaling.max_position_embeddings / scaling.original_max_position_embeddings
+    return scaling.factor
+
+
+def yarn_softmax_scale(scaling: RopeScaling | None) -> float:
+    """The factor multi-head latent attention folds into its softmax scale: ``mscale(factor, mscale_all_dim)^2``
+    under scaled RoPE with ``mscale_all_dim`` set (transformers' ``yarn_apply_mscale``), else 1."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(_yarn_factor(scaling), scaling.mscale_all_dim) ** 2
+
+
 def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[Float[np.ndarray, " half"], float]:
     """``f_i (1 - e_i) / factor + f_i e_i`` with ``e_i = 1 - clip((i - low) / (high - low), 0, 1)``: frequencies
     that turn many times over the original context are kept (extrapolated), slow ones interpolated."""
-    factor = scaling.factor
-    if factor is None:  # DeepSeek-V3 style: the factor is the ratio of the two context lengths
-        factor = scaling.max_position_embeddings / scaling.original_max_position_embeddings
+    factor = _yarn_factor(scaling)
     periods = _periods(head_dim, theta)
     low, high = _yarn_correction_range(scaling, head_dim, theta)
     if low == high:

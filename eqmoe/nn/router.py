@@ -55,6 +55,7 @@ class ExpertGroups(NamedTuple):
 
     count: int = 1
     kept: int | None = None
+    score: str = "top2_sum"  # a group's score: the sum of its two best choice scores, or its best ("max")
 
     @property
     def limits(self) -> bool:
@@ -67,11 +68,12 @@ NO_GROUPS = ExpertGroups()
 def _limit_to_best_groups(
     choice: Float[Array, "tokens experts"], groups: ExpertGroups
 ) -> Float[Array, "tokens experts"]:
-    """DeepSeek-V3: each group scores the sum of its two best choice scores; the experts outside the
-    ``groups.kept`` best groups get ``-inf`` so the top-k never picks them."""
+    """DeepSeek-V3: each group scores the sum of its two best choice scores (DeepSeek-V2: its best one); the
+    experts outside the ``groups.kept`` best groups get ``-inf`` so the top-k never picks them (V2 fills them with
+    0, which no positive softmax score loses to, so the choice is the same)."""
     tokens, experts = choice.shape
     grouped = choice.reshape(tokens, groups.count, experts // groups.count)
-    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+    group_scores = grouped.max(axis=-1) if groups.score == "max" else jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
     _, best = jax.lax.top_k(group_scores, groups.kept)
     keep = jax.nn.one_hot(best, groups.count, dtype=jnp.int32).sum(axis=1) > 0
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
@@ -180,7 +182,7 @@ def _needs_top_k_2(config: RouterConfig) -> None:
 
 
 def expert_groups(config: RouterConfig) -> ExpertGroups:
-    return ExpertGroups(config.expert_groups, config.expert_groups_kept)
+    return ExpertGroups(config.expert_groups, config.expert_groups_kept, config.expert_group_score)
 
 
 STRATEGIES = ROUTER_STRATEGIES

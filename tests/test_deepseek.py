@@ -1,0 +1,220 @@
+"""DeepSeek-V3 and DeepSeek-V2 parity with Hugging Face transformers (the numerical reference), fp32 on CPU:
+logits, loss and gradients of tiny random DeepseekV3ForCausalLM / DeepseekV2ForCausalLM models (multi-head latent
+attention with and without the query latent, YaRN with mscale, interleaved and half-split RoPE, group-limited
+routing with the correction bias, V2's softmax greedy and group-limited-greedy routers, shared experts, a dense first
+layer), HF -> eqmoe -> HF round trips with and without multi-token-prediction tensors, the config allow-list and the
+published sizes' parameter counts."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from eqmoe.checkpoints import hf
+from eqmoe.models import deepseek_v2, deepseek_v3
+from tests import hf_families as shared
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+V3_TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=512,
+    rope_parameters=YARN,
+    rope_interleave=True,
+    tie_word_embeddings=False,
+)
+V3_CASES = {
+    # (a) query latent, YaRN with mscale folded into the scale, 16 experts in 4 groups (2 kept), a dense layer.
+    "latent-yarn-grouped": {},
+    # (b) no query latent (one q_proj), plain RoPE half-split, one group, raw top-k weights, two shared experts,
+    # every layer MoE.
+    "q-proj-half-split": dict(
+        q_lora_rank=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        max_position_embeddings=None,  # plain RoPE reads no context length: the export writes the default
+        rope_interleave=False,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        routed_scaling_factor=1.0,
+    ),
+}
+V2_TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    topk_method="greedy",
+    routed_scaling_factor=1.0,
+    max_position_embeddings=512,
+    rope_parameters=YARN,
+    tie_word_embeddings=False,
+)
+V2_CASES = {
+    # (c) V2-Lite's shape: no query latent, softmax greedy top-k, not renormalised, YaRN.
+    "lite-greedy": {},
+    # (d) full V2's router: group_limited_greedy (a group scores its best expert), a query latent, scaled weights.
+    "group-limited-greedy": dict(
+        q_lora_rank=24,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=16.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=None,
+    ),
+}
+
+
+def _perturb(name: str, tensor) -> None:
+    """Norms and biases off their initial values, the router spread out and the correction bias nonzero, so that
+    every part (the two latent norms included) matters and the bias changes which experts are chosen."""
+    if name.endswith(("norm.weight", ".bias")):
+        tensor.add_(0.1 * torch.randn_like(tensor))
+    elif name.endswith("mlp.gate.weight"):
+        tensor.normal_(0.0, 0.3)
+    elif name.endswith("e_score_correction_bias"):
+        tensor.normal_(0.0, 0.2)
+
+
+V3 = shared.Family("deepseek_v3", transformers.DeepseekV3ForCausalLM, V3_TINY, _perturb)
+V2 = shared.Family("deepseek_v2", transformers.DeepseekV2ForCausalLM, V2_TINY, _perturb)
+ALL = [(V3, name, case) for name, case in V3_CASES.items()] + [(V2, name, case) for name, case in V2_CASES.items()]
+IDS = [f"{family.name}-{name}" for family, name, _ in ALL]
+
+
+@pytest.fixture(params=ALL, ids=IDS, name="saved")
+def _saved(request, tmp_path):
+    family, name, case = request.param
+    family.save_tiny(tmp_path, seed=len(name), **case)
+    return family, tmp_path
+
+
+def test_logits_loss_and_gradients_match_transformers(saved):
+    family, folder = saved
+    reference, model = family.reference(folder), hf.load(folder)
+    shared.assert_logits_match(reference, model)
+    out, loss, terms = shared.losses(reference, model)
+    np.testing.assert_allclose(float(terms["cross_entropy"]), out.loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
+    ours, expected = shared.gradients(reference, model)
+    for key in [k for k in ours if k.endswith("e_score_correction_bias")]:  # a buffer in torch: no gradient
+        np.testing.assert_array_equal(ours.pop(key), 0.0, err_msg=key)
+    shared.assert_gradients_match(ours, expected)
+    for part in ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm", ".mlp.experts.", ".shared_experts."):
+        assert shared.largest(ours, part) > 1e-4, part
+
+
+def test_round_trip_is_bit_exact(saved, tmp_path):
+    family, folder = saved
+    shared.assert_round_trip_bit_exact(family, folder, tmp_path / "back")
+
+
+def _with_mtp(folder, into) -> dict[str, np.ndarray]:
+    """``folder`` copied to ``into`` with a multi-token-prediction layer's tensors added (random, named as published
+    DeepSeek-V3 folders name ``model.layers.{L}.*``: a copy of layer L-1's tensors plus its own pieces)."""
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    rng = np.random.default_rng(0)
+    extra = {
+        key.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): rng.normal(size=value.shape).astype(value.dtype)
+        for key, value in tensors.items()
+        if key.startswith(f"model.layers.{last}.")
+    }
+    hidden = config["hidden_size"]
+    extra |= {
+        f"model.layers.{mtp}.enorm.weight": rng.normal(size=hidden).astype(np.float32),
+        f"model.layers.{mtp}.hnorm.weight": rng.normal(size=hidden).astype(np.float32),
+        f"model.layers.{mtp}.eh_proj.weight": rng.normal(size=(hidden, 2 * hidden)).astype(np.float32),
+        f"model.layers.{mtp}.shared_head.norm.weight": rng.normal(size=hidden).astype(np.float32),
+        f"model.layers.{mtp}.shared_head.head.weight": tensors["lm_head.weight"],
+        f"model.layers.{mtp}.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+    }
+    into.mkdir()
+    save_file({**tensors, **extra}, into / "model.safetensors", metadata={"format": "pt"})
+    (into / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return extra
+
+
+def test_multi_token_prediction_tensors_are_kept_and_exported(tmp_path, capsys):
+    """A folder holding the MTP layer loads it into the model's own ``mtp`` part (the causal LM's logits are
+    unchanged) and exports it back bit for bit; a transformers-saved folder whose config says one MTP layer but
+    holds none loads without it and says so on one line."""
+    V3.save_tiny(tmp_path / "plain", seed=3)
+    assert json.loads((tmp_path / "plain" / "config.json").read_text()).get("num_nextn_predict_layers", 1) == 1
+    plain = hf.load(tmp_path / "plain")
+    assert plain.config.mtp_layers == 0 and "multi-token-prediction" in capsys.readouterr().err
+
+    extra = _with_mtp(tmp_path / "plain", tmp_path / "mtp")
+    model = hf.load(tmp_path / "mtp")
+    assert model.config.mtp_layers == 1 and len(model.mtp) == 1
+    np.testing.assert_array_equal(np.asarray(model.mtp[0].eh_proj.weight), extra["model.layers.3.eh_proj.weight"].T)
+    ids = jnp.arange(40).reshape(2, 20) % 97
+    np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(plain(ids).logits))
+    hf.save(model, tmp_path / "back")
+    written = load_file(tmp_path / "back" / "model.safetensors")
+    for key, value in {**load_file(tmp_path / "mtp" / "model.safetensors")}.items():
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_kimi_k2_model_type_reads_as_deepseek_v3(tmp_path):
+    """Kimi K2's folders say ``model_type: kimi_k2`` with ``DeepseekV3ForCausalLM``; they read against
+    DeepseekV3Config's keys, and the keys it does not define (``topk_method``, ``scoring_func``...) are listed."""
+    config = {**V3.full_config(), "model_type": "kimi_k2", "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    folder = shared.write_config(tmp_path / "kimi", config)
+    assert hf.read_config(folder) == hf.read_config(shared.write_config(tmp_path / "v3", V3.full_config()))
+    assert "topk_method" in deepseek_v3.FAMILY.ignored_keys(config)
+
+
+def test_v2_refuses_what_it_cannot_compute(tmp_path):
+    for field, value in (("topk_method", "noaux_tc"), ("mlp_bias", True), ("hidden_act", "gelu")):
+        shared.assert_refused(tmp_path / field, {**V2.full_config(), field: value}, field)
+    assert deepseek_v2.FAMILY.ignored_keys({**V2.full_config(), "scoring_func": "softmax"}) == ["scoring_func"]
