@@ -21,6 +21,8 @@ it moved).
 Tensors move one at a time, so host memory holds about the model once plus one tensor (plus one output shard
 when writing HF). Outputs are written under a temporary name and renamed; an existing output is refused
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
+A block-FP8 folder (DeepSeek-V3's published layout) is dequantized while it is read, and the line saying so names
+the dtype of the unquantized output; any other ``quantization_config`` (INT4, MXFP4, ...) is refused.
 """
 
 import dataclasses
@@ -36,6 +38,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.export_files import export_files
 from eqmoe.checkpoints.model_checkpoint import load_model, save_model
 from eqmoe.checkpoints.peft import save_adapters
+from eqmoe.checkpoints.quantized import read_scheme
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import tokenizer_vocab_size
 from eqmoe.data.hub import resolve_folder
@@ -89,6 +92,7 @@ def to_checkpoint(args: Args) -> str:
     if not (args.hf / "config.json").is_file():
         raise UsageError(f"{args.hf}: no config.json (not a Hugging Face model folder)")
     _check_output(args.out, args.overwrite)
+    scheme = read_scheme(args.hf)  # refuses a quantization it cannot read before anything else
     config = hf.read_config(args.hf)
     extra = _side_files(args.hf, args.tokenizer, config.vocab_size)
     model = hf.load(args.hf, dtype=None if args.save_dtype == "auto" else args.save_dtype)  # None: config.json's dtype
@@ -99,6 +103,9 @@ def to_checkpoint(args: Args) -> str:
         overwrite=args.overwrite,
         extra_files=extra,
     )
+    if scheme is not None:
+        dtype = model.config.param_dtype
+        print(f"convert: {args.hf} holds {scheme.describe()} weights, dequantized: {args.out} is unquantized {dtype}")
     return f"{args.hf} -> {args.out} ({model.config.param_dtype})"
 
 

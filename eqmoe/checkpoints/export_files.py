@@ -20,6 +20,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import end_of_turn_ids, load_tokenizer
 from eqmoe.data.template import ChatTemplate, special_tokens
+from eqmoe.data.tokenizer import TIKTOKEN_FILE, tokenizer_file
 
 _BUILT_IN = "built-in ChatML"  # the origin of the template a tokenizer without one renders with
 
@@ -30,9 +31,10 @@ class ExportFiles(NamedTuple):
 
 
 def run_tokenizer(metadata: RunMetadata | None, folder: Path, tokenizer: Path | None = None) -> Path | None:
-    """The tokenizer (a folder or a ``tokenizer.json``) the run read text with: ``tokenizer`` when given, else the
-    one ``metadata`` records, else ``folder``'s ``tokenizer.json``; ``None`` for a run on eqmoe's byte tokenizer or
-    when nothing names one. ``FileNotFoundError`` when the given or recorded one is gone."""
+    """The tokenizer (a folder, a ``tokenizer.json`` or a ``tiktoken.model``) the run read text with: ``tokenizer``
+    when given, else the one ``metadata`` records, else ``folder``'s own (its ``tokenizer.json`` or
+    ``tiktoken.model``); ``None`` for a run on eqmoe's byte tokenizer or when nothing names one.
+    ``FileNotFoundError`` when the given or recorded one is gone."""
     if tokenizer is not None:
         if not tokenizer.exists():
             raise FileNotFoundError(f"{tokenizer}: tokenizer not found")
@@ -40,7 +42,7 @@ def run_tokenizer(metadata: RunMetadata | None, folder: Path, tokenizer: Path | 
     recorded = None if metadata is None else metadata.tokenizer
     if recorded is not None and Path(recorded).exists():
         return Path(recorded)
-    if (folder / "tokenizer.json").is_file():
+    if tokenizer_file(folder) is not None:
         return folder
     if recorded is not None:
         raise FileNotFoundError(f"{recorded}: the tokenizer the run trained with is gone (pass --tokenizer DIR)")
@@ -54,6 +56,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _write_json(path: Path, value: dict[str, Any]) -> Path:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
+
+
+def _tokenizer_code(source: Path, config: dict[str, Any]) -> list[Path]:
+    """The ``tokenization_*.py`` files in ``source`` and any other module in it that ``tokenizer_config.json``'s
+    ``auto_map`` names for ``AutoTokenizer``: the transformers code a ``tiktoken.model`` is read with."""
+    auto_map = config.get("auto_map")
+    named = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    named = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    # "tokenization_kimi.TikTokenTokenizer", or "ORG/NAME--tokenization_kimi.TikTokenTokenizer" (another repo's)
+    modules = [name.split("--")[-1].rsplit(".", 1)[0] for name in named if isinstance(name, str)]
+    found = [source / f"{module}.py" for module in modules] + sorted(source.glob("tokenization_*.py"))
+    return list(dict.fromkeys(path for path in found if path.is_file()))
 
 
 def _ids(value: object) -> list[object]:
@@ -99,7 +113,7 @@ def export_files(
         if metadata is not None and metadata.bytes_tokenizer:
             return ExportFiles([], "no tokenizer files (trained on eqmoe's byte tokenizer)")
         return ExportFiles([], "no tokenizer files (none recorded)")
-    source, file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
+    source, file = (path, tokenizer_file(path) or path / "tokenizer.json") if path.is_dir() else (path.parent, path)
     template_file = None if metadata is None else metadata.chat_template
     if template_file is not None and not Path(template_file).is_file():
         raise FileNotFoundError(f"{template_file}: the chat template the run trained with is gone")
@@ -108,16 +122,20 @@ def export_files(
     text = load_tokenizer(path, chat=False, chat_template=template_file, template_vars=variables)
     if text.vocab_size > vocab_size:
         raise ValueError(f"{file}: the tokenizer has {text.vocab_size} ids but the model's vocabulary has {vocab_size}")
+    config = _read_json(source / "tokenizer_config.json")
     files: dict[str, Path | None] = {p.name: p for p in hf.side_files(source)}
-    files["tokenizer.json"] = (
-        file if file.name == "tokenizer.json" else shutil.copyfile(file, scratch / "tokenizer.json")
-    )
+    if file.name == TIKTOKEN_FILE:  # with the code transformers reads it with (trust_remote_code)
+        files.update({p.name: p for p in [file, *_tokenizer_code(source, config)]})
+        files["tokenizer.json"] = None  # transformers would read a tokenizer.json first
+    else:
+        files["tokenizer.json"] = (
+            file if file.name == "tokenizer.json" else shutil.copyfile(file, scratch / "tokenizer.json")
+        )
     note = f"tokenizer from {path}"
     # The built-in ChatML without its special tokens: a plain-text tokenizer, which rendered no conversation.
     if text.chat_template.origin == _BUILT_IN and text.im_start_id is None:
         return ExportFiles([p for p in files.values() if p is not None], note)
 
-    config = _read_json(source / "tokenizer_config.json")
     files.update(_template_files(text.chat_template, config, scratch))
     stops = list(end_of_turn_ids(text))
     generation = _read_json(source / "generation_config.json")

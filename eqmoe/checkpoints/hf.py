@@ -9,6 +9,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqmoe import parallel
+from eqmoe.checkpoints import quantized
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
@@ -33,6 +35,7 @@ SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 SIDE_FILES = (  # travel with the weights through conversions: tokenizer and generation settings
     "tokenizer.json",
+    "tiktoken.model",  # Kimi K2's and Moonlight's tokenizer, in place of tokenizer.json
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.json",
@@ -79,8 +82,12 @@ def stored_dtype(folder: str | Path) -> str:
 
 
 def side_files(folder: str | Path) -> list[Path]:
-    """The :data:`SIDE_FILES` present in ``folder``."""
-    return [Path(folder) / name for name in SIDE_FILES if (Path(folder) / name).is_file()]
+    """The :data:`SIDE_FILES` present in ``folder``, and the tokenizer code a tiktoken tokenizer's transformers
+    loading needs (``tokenization_kimi.py``)."""
+    folder = Path(folder)
+    return [folder / name for name in SIDE_FILES if (folder / name).is_file()] + sorted(
+        folder.glob("tokenization_*.py")
+    )
 
 
 def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
@@ -194,6 +201,8 @@ def load(
 
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
     needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
+    Block-FP8 files (DeepSeek-V3's layout) are dequantized tensor by tensor (:mod:`eqmoe.checkpoints.quantized`);
+    any other ``quantization_config`` is refused.
     Without ``parallelism`` each parameter is assembled on the host and put on the default device, one at a
     time. With it, each parameter goes straight to the sharding its logical axes give it
     (:func:`eqmoe.parallel.tree_shardings`): every device's slice is read from the files on its own (only the
@@ -203,9 +212,12 @@ def load(
     folder = resolve_folder(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+    scheme = quantized.read_scheme(folder)  # first: a quantization it cannot read is the one thing to say
     config = read_config(folder)
     param_dtype = jnp.dtype(stored_dtype(folder) if dtype is None else dtype).name
     config = config.replace(param_dtype=param_dtype, dtype=jnp.dtype(compute_dtype or param_dtype).name)
+    files = quantized.dequantizing(_weight_files(folder), scheme)  # block-FP8 weights read dequantized
+    config = _without_absent_mtp(config, files, folder)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
     leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
     shardings = {}
@@ -213,7 +225,6 @@ def load(
         placement = parallel.tree_shardings(abstract, parallelism)
         shardings = {_leaf_path(p): s for p, s in jax.tree_util.tree_leaves_with_path(placement)}
     names = _checkpoint_names(config)
-    files = _weight_files(folder)
 
     problems = []
     expected = {name.key for name in names}
@@ -240,6 +251,19 @@ def load(
         read = functools.partial(_read_slice, leaf, by_leaf.get(path, []), files)
         arrays[path] = _place(leaf, shardings.get(path), read)
     return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
+
+
+def _without_absent_mtp(config: ModelConfig, files, folder: Path) -> ModelConfig:
+    """``config`` without its multi-token-prediction layers when the folder holds none of their tensors: DeepSeek-V3's
+    config says ``num_nextn_predict_layers: 1`` in every folder transformers saves, which never holds them."""
+    if not config.mtp_layers or any(key.startswith(f"model.layers.{config.num_layers}.") for key in files):
+        return config
+    print(
+        f"{folder}: config.json says num_nextn_predict_layers={config.mtp_layers} but the files hold no "
+        f"multi-token-prediction tensors (model.layers.{config.num_layers}.*): loading without them",
+        file=sys.stderr,
+    )
+    return config.replace(mtp_layers=0, mtp_layers_declared=config.mtp_layers)
 
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -1,8 +1,8 @@
-"""Reading safetensors files tensor by tensor, bfloat16 included.
+"""Reading safetensors files tensor by tensor, bfloat16 and FP8 included.
 
 The ``safetensors`` package validates each file's header; the tensors are then memory-mapped with
-NumPy (and ``ml_dtypes`` for bfloat16, which ``safetensors``' NumPy backend cannot return), so one
-tensor at a time is read from disk.
+NumPy (and ``ml_dtypes`` for bfloat16 and the FP8 types of block-FP8 checkpoints, which ``safetensors``'
+NumPy backend cannot return), so one tensor at a time is read from disk.
 """
 
 import json
@@ -18,6 +18,8 @@ DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # block-FP8 weights (eqmoe.checkpoints.quantized)
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # their power-of-two scales: one exponent byte each
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,

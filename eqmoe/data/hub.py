@@ -3,10 +3,11 @@
 cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``), downloaded there first when missing. With ``HF_HUB_OFFLINE=1``
 nothing is fetched and a cached snapshot is used as it is.
 
-Only the files eqmoe reads are fetched: configs, tokenizer files, chat templates and the safetensors weights of
-the top folder (never a subfolder's weights or Mistral's ``consolidated`` copy of them); a tokenizer alone needs
-no weights. This lives in ``eqmoe.data`` rather than beside the checkpoint readers because the tokenizer loader
-resolves ids too, and ``eqmoe.data`` imports nothing above it.
+Only the files eqmoe reads are fetched: configs, tokenizer files (``tokenizer.json``, or ``tiktoken.model`` with
+the ``tokenization_*.py`` transformers reads it with), chat templates and the safetensors weights of the top folder
+(never a subfolder's weights or Mistral's ``consolidated`` copy of them); a tokenizer alone needs no weights.
+This lives in ``eqmoe.data`` rather than beside the checkpoint readers because the tokenizer loader resolves ids
+too, and ``eqmoe.data`` imports nothing above it.
 """
 
 import os
@@ -18,9 +19,13 @@ from typing import Literal
 ID_FORM = "ORG/NAME[@REVISION]"
 _HUB_ID = re.compile(r"(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<revision>[^@\s]+))?")
 
-MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model")
+# tiktoken.model: the Kimi family's tokenizer (no tokenizer.json); tokenization_*.py: the transformers code reading it,
+# never run by eqmoe, carried into exports so that transformers (trust_remote_code) reads them as it read the source.
+TIKTOKEN_FILES = ("tiktoken.model", "tokenization_*.py")
+MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model", *TIKTOKEN_FILES)
 TOKENIZER_FILES = (
     "tokenizer.json",
+    *TIKTOKEN_FILES,
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
