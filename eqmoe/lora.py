@@ -135,7 +135,8 @@ def targets(model, config: LoRAConfig | None = None) -> list[tuple[str, str, Lin
         group = part.adapter_group
         for name in _linear_fields(type(part)):
             linear = getattr(part, name)
-            if linear is not None and (config is None or config.adapts(group, name)):
+            # isinstance, not "is not None": inside eqx.tree_at an absent matrix (None) is a wrapped leaf
+            if isinstance(linear, Linear) and (config is None or config.adapts(group, name)):
                 found.append((group, name, linear))
     return found
 

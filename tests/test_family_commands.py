@@ -20,9 +20,16 @@ peft = pytest.importorskip("peft")
 
 
 def _saver(family: str):
-    from tests import test_glm4_moe, test_mixtral, test_olmoe, test_qwen2_moe
+    from tests import test_deepseek, test_glm4_moe, test_mixtral, test_olmoe, test_qwen2_moe
 
-    families = (test_mixtral.MIXTRAL, test_olmoe.OLMOE, test_qwen2_moe.QWEN2_MOE, test_glm4_moe.GLM)
+    families = (
+        test_mixtral.MIXTRAL,
+        test_olmoe.OLMOE,
+        test_qwen2_moe.QWEN2_MOE,
+        test_glm4_moe.GLM,
+        test_deepseek.V3,
+        test_deepseek.V2,
+    )
     return {hf_family.name: hf_family.save_tiny for hf_family in families}[family]
 
 
@@ -47,15 +54,18 @@ TARGETS = {
     "olmoe": ("attention", "experts"),
     "qwen2_moe": ("attention", "experts", "mlp"),
     "glm4_moe": ("attention", "experts", "mlp"),
+    "deepseek_v3": ("attention", "experts"),
+    "deepseek_v2": ("attention", "experts"),
 }
 
 
 @pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")  # PEFT's, spurious
 # The commands are the same code for every family; what is a family's own (its field map, names, numbers) each
-# family's parity and round-trip tests cover. One family runs them by default, GLM-4.5 (the most fields); every
-# family with -m slow.
+# family's parity and round-trip tests cover. One family runs them by default, DeepSeek-V3 (latent attention's own
+# cache, LoRA targets and PEFT names); every family with -m slow.
 @pytest.mark.parametrize(
-    "family", [family if family == "glm4_moe" else pytest.param(family, marks=pytest.mark.slow) for family in TARGETS]
+    "family",
+    [family if family == "deepseek_v3" else pytest.param(family, marks=pytest.mark.slow) for family in TARGETS],
 )
 def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path, capsys):
     _saver(family)(tmp_path / "hf", vocab_size=300, num_hidden_layers=2, initializer_range=0.3, eos_token_id=1)
