@@ -97,7 +97,11 @@ def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path,
     ours = _logits(trained, ids)
     assert np.abs(ours - _logits(hf.load(tmp_path / "hf"), ids)).max() > 1e-3  # the adapters changed something
 
+    # At initializer_range 0.3 (logits up to ~7) transformers' own float32 logits are up to 1.7e-4 from its float64
+    # ones (DeepSeek-V2; eqmoe's are within 1.2e-4 of those): 2e-4
     assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "merged")) == 0
-    np.testing.assert_allclose(_reference_logits(tmp_path / "merged", ids), ours, atol=1e-4)
+    np.testing.assert_allclose(_reference_logits(tmp_path / "merged", ids), ours, atol=2e-4)
     assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "adapter", adapter_only=True)) == 0
-    np.testing.assert_allclose(_reference_logits(tmp_path / "hf", ids, tmp_path / "adapter"), ours, atol=1e-4)
+    np.testing.assert_allclose(
+        _reference_logits(tmp_path / "hf", ids, tmp_path / "adapter"), ours, atol=2e-4
+    )
