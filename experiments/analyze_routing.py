@@ -13,8 +13,8 @@ pretraining packs them and ``--tokens`` worth of rows, drawn in a seeded random 
 represented, are run through the model while :class:`eqmoe.analysis.routing_maps.RoutingRecorder` records
 every token's top-k experts and weights in every MoE layer.
 
-The tokenizer is ``--tokenizer``, else the model folder's ``tokenizer.json``, else the one a training run
-recorded, else eqmoe's byte tokenizer (what ``experiments.pretrain`` trains on by default).
+The tokenizer is ``--tokenizer``, else the model folder's ``tokenizer.json`` or ``tiktoken.model``, else the one a
+training run recorded, else eqmoe's byte tokenizer (what ``experiments.pretrain`` trains on by default).
 
 Writes to ``--out-dir``: ``routing.json`` (every number below, NaN as null), ``load.png``, ``coactivation.png``,
 ``agreement.png``, ``vocabulary.png``, ``domains.png`` and with ``--trace`` ``trace.jsonl`` or

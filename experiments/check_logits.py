@@ -14,8 +14,8 @@ transformers runs ``--hf`` with that PEFT adapter folder on it (``convert --adap
 reference for a LoRA run's checkpoint, which eqmoe runs with its adapters unmerged. For each
 prompt it prints the top-k overlap, Jaccard and rank agreement at the last position and the per-position
 KL(P_hf || Q_eqmoe), mean and max, and it exits with status 1 when any max KL exceeds ``--max-kl``.
-Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR/tokenizer.json``), otherwise fixed
-pseudo-random token ids.
+Prompts are text when a tokenizer is found (``--tokenizer``, else ``DIR``'s ``tokenizer.json`` or ``tiktoken.model``),
+otherwise fixed pseudo-random token ids.
 """
 
 import dataclasses
@@ -34,6 +34,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.source import load_source
 from eqmoe.data import HFTokenizer
 from eqmoe.data.hub import resolve_folder
+from eqmoe.data.tokenizer import TOKENIZER_FILE_NAMES, tokenizer_file
 from experiments.options import DtypeOption, ModelSourceOptions, TokenizerOption
 
 DEFAULT_PROMPTS = (
@@ -68,22 +69,35 @@ def _with_hub_ids_resolved(args: Args) -> Args:
     named = {name: getattr(args, name) for name in ("hf", "candidate", "peft")}
     folders = {name: resolve_folder(value) for name, value in named.items() if value is not None}
     tokenizer = None if args.tokenizer is None else resolve_folder(args.tokenizer, files="tokenizer")
-    if tokenizer is not None and tokenizer.is_dir():
-        tokenizer = tokenizer / "tokenizer.json"
     return dataclasses.replace(args, **folders, tokenizer=tokenizer)
 
 
+def _tokenizer_path(args: Args) -> Path | None:
+    """The tokenizer file the prompts are encoded with: ``--tokenizer`` (a folder: its ``tokenizer.json``, else its
+    ``tiktoken.model``), else ``--hf``'s own; ``None`` when ``--hf`` has none. ``FileNotFoundError`` in one line
+    when ``--tokenizer`` names none."""
+    if args.tokenizer is None:
+        return tokenizer_file(args.hf)
+    if args.tokenizer.is_dir():
+        found = tokenizer_file(args.tokenizer)
+        if found is None:
+            looked = " and ".join(TOKENIZER_FILE_NAMES)
+            raise FileNotFoundError(f"{args.tokenizer}: no tokenizer in this folder (looked for {looked})")
+        return found
+    if not args.tokenizer.is_file():
+        raise FileNotFoundError(f"{args.tokenizer}: tokenizer file not found")
+    return args.tokenizer
+
+
 def _prompt_ids(args: Args, vocab_size: int) -> list[np.ndarray]:
-    path = args.tokenizer or (args.hf / "tokenizer.json")
-    if path.is_file():
+    path = _tokenizer_path(args)
+    if path is not None:
         tokenizer = HFTokenizer.from_file(path, chat=False)
         prompts = [np.asarray(tokenizer.encode(text), np.int64) for text in args.prompts]
         for text, ids in zip(args.prompts, prompts, strict=True):
             if len(ids) == 0 or ids.max() >= vocab_size:
                 raise ValueError(f"{path}: prompt {text!r} encodes to ids outside the model's vocabulary {vocab_size}")
         return prompts
-    if args.tokenizer is not None:
-        raise FileNotFoundError(f"{path}: tokenizer file not found")
     rng = np.random.default_rng(0)
     return [rng.integers(0, vocab_size, args.random_length) for _ in range(args.random_prompts)]
 

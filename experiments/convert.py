@@ -42,6 +42,7 @@ from eqmoe.checkpoints.quantized import read_scheme
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import tokenizer_vocab_size
 from eqmoe.data.hub import resolve_folder
+from eqmoe.data.tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE_NAMES, tokenizer_file
 from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
 from experiments.options import ModelSourceOptions, TokenizerOption
@@ -69,15 +70,31 @@ class Args(ModelSourceOptions, TokenizerOption):
 def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[Path]:
     """The tokenizer and generation files to copy, after checking that the tokenizer fits the vocabulary.
 
-    A vocabulary padded beyond the tokenizer (Qwen pads to a multiple of 128) is fine; the reverse is not."""
+    ``tokenizer`` (a folder: its ``tokenizer.json``, else its ``tiktoken.model``) replaces the source's tokenizer
+    file; a ``tiktoken.model`` brings the ``tokenizer_config.json`` beside it (its special tokens) and the
+    ``tokenization_*.py`` transformers reads it with. The tokenizer read (the given one, else the source's:
+    :func:`eqmoe.data.tokenizer.tokenizer_file`) must fit the vocabulary; one padded beyond the tokenizer (Qwen pads
+    to a multiple of 128) is fine, the reverse is not."""
     files = hf.side_files(source)
+    file = tokenizer_file(source)
     if tokenizer is not None:
         tokenizer = resolve_folder(tokenizer, files="tokenizer")
-        tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-        files = [f for f in files if f.name != "tokenizer.json"] + [tokenizer]
-    for path in files:
-        if path.name == "tokenizer.json" and (size := tokenizer_vocab_size(path)) > vocab_size:
-            raise UsageError(f"{path}: the tokenizer has {size} ids but the model's vocabulary has {vocab_size}")
+        file = tokenizer_file(tokenizer) if tokenizer.is_dir() else tokenizer
+        if file is None:
+            looked = " and ".join(TOKENIZER_FILE_NAMES)
+            raise UsageError(f"{tokenizer}: no tokenizer in this folder (looked for {looked})")
+        if not file.is_file():
+            raise UsageError(f"{file}: tokenizer file not found")
+        replaced = set(TOKENIZER_FILE_NAMES)
+        brought = [file]
+        if file.name == TIKTOKEN_FILE:  # its special tokens and the code transformers reads it with
+            code = [path for path in hf.side_files(file.parent) if path.name.startswith("tokenization_")]
+            config = [path for path in [file.parent / "tokenizer_config.json"] if path.is_file()]
+            brought += config + code  # the source's tokenizer_config.json goes even when none comes: as it was read
+            replaced |= {"tokenizer_config.json"} | {path.name for path in code}
+        files = [f for f in files if f.name not in replaced] + brought
+    if file is not None and (size := tokenizer_vocab_size(file)) > vocab_size:
+        raise UsageError(f"{file}: the tokenizer has {size} ids but the model's vocabulary has {vocab_size}")
     return files
 
 

@@ -7,9 +7,9 @@
     python -m experiments.generate --hf DIR --messages chat.json --template-var enable_thinking=false
 
 With ``--checkpoint`` (an eqmoe checkpoint from ``experiments.convert``, or a training run's ``checkpoints``
-folder) the tokenizer defaults to the checkpoint folder's tokenizer.json, else the one the run recorded (with
-the chat template and template variables it trained with), else eqmoe's byte tokenizer when the run trained
-on bytes.
+folder) the tokenizer defaults to the checkpoint folder's tokenizer.json or tiktoken.model, else the one the run
+recorded (with the chat template and template variables it trained with), else eqmoe's byte tokenizer when the run
+trained on bytes.
 
 ``--chat`` (or ``--messages FILE``, a JSON list of messages or ``{"messages", "tools"}``) builds the prompt with
 the tokenizer's chat template and its generation prompt, as ``apply_chat_template(add_generation_prompt=True)``

@@ -119,8 +119,9 @@ class ShapeOptions(SeqLenOption):
 @dataclass(frozen=True)
 class TokenizerOption:
     tokenizer: Path | None = None
-    """A Hugging Face tokenizer: a folder, its tokenizer.json, or a Hub id ORG/NAME[@REVISION] (default: the model's
-    own where the command reads a model, else as its description says: eqmoe's 260 byte ids for a preset)."""
+    """A Hugging Face tokenizer: a folder (its tokenizer.json, else its tiktoken.model), either file, or a Hub id
+    ORG/NAME[@REVISION] (default: the model's own where the command reads a model, else as its description says:
+    eqmoe's 260 byte ids for a preset)."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from eqmoe.data.corpus import (
     synthetic_documents,
 )
 from eqmoe.data.hub import resolve_folder
+from eqmoe.data.tokenizer import tokenizer_file
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -106,14 +107,14 @@ def _checkpoint_folder(path: Path) -> Path:
 
 
 def _tokenizer(args: Args):
-    """``--tokenizer``, else the starting model's own (its folder's tokenizer.json, or the one its run recorded),
-    else eqmoe's byte tokenizer."""
+    """``--tokenizer``, else the starting model's own (its folder's ``tokenizer.json`` or ``tiktoken.model``, or the
+    one its run recorded), else eqmoe's byte tokenizer."""
     options = args.model
     if args.data.tokenizer is not None or _loaded_from(options) is None:
         return load_tokenizer(args.data.tokenizer)
     if options.init_from_hf is not None:
         folder = resolve_folder(options.init_from_hf)
-        return load_tokenizer(folder, chat=False) if (folder / "tokenizer.json").is_file() else ByteTokenizer()
+        return load_tokenizer(folder, chat=False) if tokenizer_file(folder) is not None else ByteTokenizer()
     folder = _checkpoint_folder(options.init_from_checkpoint)
     with Checkpointer(folder, keep_last=None) as checkpointer:
         recorded = RunMetadata.from_json(checkpointer.metadata(), str(folder))

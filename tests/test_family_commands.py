@@ -102,6 +102,4 @@ def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path,
     assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "merged")) == 0
     np.testing.assert_allclose(_reference_logits(tmp_path / "merged", ids), ours, atol=2e-4)
     assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "adapter", adapter_only=True)) == 0
-    np.testing.assert_allclose(
-        _reference_logits(tmp_path / "hf", ids, tmp_path / "adapter"), ours, atol=2e-4
-    )
+    np.testing.assert_allclose(_reference_logits(tmp_path / "hf", ids, tmp_path / "adapter"), ours, atol=2e-4)

@@ -336,3 +336,122 @@ def test_transformers_tiktoken_converter_agrees(folder):
     assert converted.get_vocab_size(with_added_tokens=True) == tok.vocab_size
     for text in TEXTS:
         assert converted.encode(text, add_special_tokens=False).ids == tok.encode(text), text
+
+
+def test_commands_pick_a_model_folders_tiktoken_tokenizer(folder, tmp_path):
+    """Every command that defaults to a model folder's tokenizer finds its tiktoken.model, not only a tokenizer.json."""
+    from eqmoe.checkpoints.source import ModelSource, source_tokenizer
+    from experiments import check_logits, convert, pretrain
+
+    own = source_tokenizer(ModelSource(None, folder, None))  # generate, analyze_routing, sft
+    assert isinstance(own, TiktokenTokenizer) and own.path == str(folder / "tiktoken.model")
+    text = pretrain._tokenizer(pretrain.Args(model=pretrain.ModelOptions(init_from_hf=folder)))
+    assert isinstance(text, TiktokenTokenizer) and not text.chat
+    assert check_logits._tokenizer_path(check_logits.Args(hf=folder)) == folder / "tiktoken.model"
+    assert check_logits._tokenizer_path(check_logits.Args(hf=tmp_path, tokenizer=folder)) == folder / "tiktoken.model"
+    (tmp_path / "empty").mkdir()
+    looked = "no tokenizer in this folder (looked for tokenizer.json and tiktoken.model"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'empty'}: {looked}")):
+        source_tokenizer(ModelSource(None, tmp_path / "empty", None))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'empty'}: {looked}")):
+        check_logits._tokenizer_path(check_logits.Args(hf=folder, tokenizer=tmp_path / "empty"))
+
+    # convert --hf: the folder's tiktoken.model is the tokenizer checked against the vocabulary; a --tokenizer that
+    # is one brings its own tokenizer_config.json (its special tokens) and tokenization code in place of the source's
+    names = {path.name for path in convert._side_files(folder, None, BASE + 256)}
+    assert {"tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"} <= names
+    with pytest.raises(convert.UsageError, match=f"tiktoken.model: the tokenizer has {BASE + 256} ids but"):
+        convert._side_files(folder, None, BASE + 255)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer_config.json").write_text("{}")
+    (plain / "tokenizer.json").write_text("{}")
+    files = convert._side_files(plain, folder, BASE + 256)
+    assert sorted(files) == sorted(
+        folder / name for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py")
+    )
+    with pytest.raises(convert.UsageError, match=re.escape(f"{tmp_path / 'empty'}: {looked}")):
+        convert._side_files(folder, tmp_path / "empty", BASE + 256)
+
+
+def test_tokenized_cache_key_holds_the_tiktoken_special_tokens(folder, tmp_path):
+    """A tiktoken.model's special tokens are named in the tokenizer_config.json beside it: renaming one changes the
+    key of the tokenised data; a tokenizer.json's key is its file's digest, as before."""
+    import hashlib
+
+    from eqmoe.data.tokenized import _tokenizer_identity, cache_key
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    tok = load_tokenizer(folder)
+    before = cache_key(data, tok, None, None)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"][str(BASE + 5)] = {"content": "<|tool|>", "special": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    after = load_tokenizer(folder)  # the same tiktoken.model and template, another special token
+    assert after.special_ids[BASE + 5] == "<|tool|>" and after.chat_template.sources == tok.chat_template.sources
+    assert cache_key(data, after, None, None) != before
+
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"hello": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    words = HFTokenizer.from_file(tmp_path / "tokenizer.json", chat=False)
+    assert _tokenizer_identity(words) == hashlib.sha256((tmp_path / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def _kimi_model_folder(folder):
+    """A tiny DeepSeek-V3 saved by transformers as Kimi K2 publishes its folders: ``model_type: kimi_k2`` and a
+    tiktoken.model with Kimi's tokenizer_config.json, no tokenizer.json; the vocabulary is the tokenizer's."""
+    from tests.test_deepseek import V3
+
+    V3.save_tiny(folder, seed=0, vocab_size=BASE + 256, num_hidden_layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}, indent=2))
+    return _kimi_folder(folder)
+
+
+def test_sft_from_a_kimi_folder_trains_on_its_tiktoken_tokenizer_and_exports_it(tmp_path, capsys):
+    """sft --init-from-hf on a Kimi K2 folder renders and tokenises with its tiktoken tokenizer (not the byte
+    tokenizer), and convert --to-hf carries tiktoken.model, tokenizer_config.json and the tokenization code."""
+    pytest.importorskip("transformers")
+    from eqmoe.checkpoints import hf
+    from eqmoe.checkpoints.model_checkpoint import load_model
+    from experiments import convert, sft
+
+    kimi = _kimi_model_folder(tmp_path / "kimi")
+    assert not (kimi / "tokenizer.json").exists() and hf.read_config(kimi).family == "deepseek_v3"
+    replies = ["你好 world", "hello world", "abc 12", "it's hello"]
+    with open(tmp_path / "chats.jsonl", "w") as handle:
+        for i in range(24):
+            messages = [
+                {"role": "user", "content": f"hello {i}"},
+                {"role": "assistant", "content": replies[i % len(replies)]},
+            ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+    args = sft.Args(
+        model=sft.ModelOptions(init_from_hf=kimi, lora_rank=4, lora_targets=("attention", "experts")),
+        data=sft.DataOptions(data=tmp_path / "chats.jsonl", seq_len=32, batch_size=4, cache_dir=tmp_path / "cache"),
+        run=sft.RunOptions(
+            steps=2, out_dir=tmp_path / "run", checkpoint_every=2, eval_every=1000, log_every=1, samples=0
+        ),
+    )
+    assert sft.main(args) == 0
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "tokenizer:" in line)
+    assert f"tokenizer: TiktokenTokenizer({str(kimi / 'tiktoken.model')!r}, vocab_size={BASE + 256})" in line, line
+    assert "(the starting model's)" in line and f"template: {kimi / 'tokenizer_config.json'}" in line, line
+    assert "ByteTokenizer" not in err and "tokenised before" not in err
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _, metadata = load_model(checkpoints)
+    assert metadata.tokenizer == str((kimi / "tiktoken.model").absolute()) and not metadata.bytes_tokenizer
+
+    assert convert.main(convert.Args(checkpoint=checkpoints, to_hf=tmp_path / "out")) == 0
+    out = tmp_path / "out"
+    assert {"tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"} <= {p.name for p in out.iterdir()}
+    assert not (out / "tokenizer.json").exists()
+    assert (out / "tiktoken.model").read_bytes() == (kimi / "tiktoken.model").read_bytes()
+    again, tok = load_tokenizer(out), load_tokenizer(kimi)
+    assert isinstance(again, TiktokenTokenizer) and again.special_ids == tok.special_ids
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert render(chat, again) == render(chat, tok)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == BASE + 2

@@ -25,8 +25,8 @@ class RunMetadata:
     - ``config``: the model's config (:func:`eqmoe.config_io.config_to_dict` in the JSON).
     - ``kind``: ``"eqmoe-model"`` for a model saved alone (its tree is the model), ``None`` for a run's state.
     - ``step``, ``data_step``, ``seed``: where a training run stands (its data order depends on seed and data step).
-    - ``tokenizer``: the tokenizer (a ``tokenizer.json`` or its folder) the run read text with; ``bytes_tokenizer``:
-      the run used eqmoe's byte tokenizer; neither: not recorded (a converted checkpoint).
+    - ``tokenizer``: the tokenizer (a ``tokenizer.json`` or ``tiktoken.model``, or its folder) the run read text
+      with; ``bytes_tokenizer``: the run used eqmoe's byte tokenizer; neither: not recorded (a converted checkpoint).
     - ``chat_template``, ``template_vars``: the chat template file and variables the run rendered with.
     - ``lora``: the LoRA settings (:class:`eqmoe.lora.LoRAConfig`'s fields) of a run that trained adapters.
     - ``base``: the base model (:class:`eqmoe.checkpoints.base.BaseModel`) a checkpoint holding only what training

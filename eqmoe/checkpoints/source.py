@@ -4,9 +4,9 @@ also be a Hub id ``ORG/NAME[@REVISION]``, read from the Hub's cache (:mod:`eqmoe
 
 A Hugging Face folder is read by its family (:func:`eqmoe.checkpoints.hf.load`); an eqmoe checkpoint (``convert``
 output or a training run's ``checkpoints``) by :func:`eqmoe.checkpoints.model_checkpoint.load_model`, with the
-:class:`RunMetadata` it recorded. The tokenizer is the one named, else the folder's ``tokenizer.json``, else the one
-the run recorded (with the chat template and template variables it trained with), else eqmoe's byte tokenizer when
-the run trained on bytes.
+:class:`RunMetadata` it recorded. The tokenizer is the one named, else the folder's own (its ``tokenizer.json``, else
+its ``tiktoken.model``: :func:`eqmoe.data.tokenizer.tokenizer_file`), else the one the run recorded (with the chat
+template and template variables it trained with), else eqmoe's byte tokenizer when the run trained on bytes.
 """
 
 import os
@@ -18,6 +18,7 @@ from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import ByteTokenizer, HFTokenizer, load_tokenizer
 from eqmoe.data.hub import resolve_folder
+from eqmoe.data.tokenizer import TOKENIZER_FILE_NAMES, tokenizer_file
 from eqmoe.model import Transformer
 
 
@@ -68,12 +69,15 @@ def source_tokenizer(
     if chat_template is None and recorded is not None and recorded.chat_template:
         chat_template = recorded.chat_template
     path = None if tokenizer is None else resolve_folder(tokenizer, files="tokenizer")
-    if path is None and (source.folder / "tokenizer.json").is_file():
+    if path is None and tokenizer_file(source.folder) is not None:
         path = source.folder
     if path is None and recorded is not None and recorded.tokenizer is not None:
         path = Path(recorded.tokenizer)
     if path is None and not (bytes_if_none or (recorded is not None and recorded.bytes_tokenizer)):
-        raise FileNotFoundError(f"{source.folder}: no tokenizer.json (pass --tokenizer DIR or DIR/tokenizer.json)")
+        raise FileNotFoundError(
+            f"{source.folder}: no tokenizer in this folder (looked for {' and '.join(TOKENIZER_FILE_NAMES)}; "
+            "pass --tokenizer DIR or a tokenizer file)"
+        )
     if path is not None and not path.exists():
-        raise FileNotFoundError(f"{path}: tokenizer not found (pass --tokenizer DIR or DIR/tokenizer.json)")
+        raise FileNotFoundError(f"{path}: tokenizer not found (pass --tokenizer DIR or a tokenizer file)")
     return load_tokenizer(path, chat=chat, chat_template=chat_template, template_vars=variables)

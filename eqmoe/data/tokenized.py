@@ -3,9 +3,10 @@
 :func:`tokenize_file` reads the file's records in order (:mod:`eqmoe.data.formats`), renders and tokenizes
 them in batches with the tokenizer's chat template (:func:`eqmoe.data.chat.encode_chats`) and appends the ids
 and loss masks to flat files, so memory stays bounded by one batch whatever the file's size. The result is
-kept in ``cache_dir/<key>/`` where the key hashes the data files' bytes, the tokenizer's ``tokenizer.json``,
-the template and its variables, the layout options and :data:`CACHE_VERSION`; a second run with the same
-inputs maps those files and starts at once. Files are written under a temporary name and renamed.
+kept in ``cache_dir/<key>/`` where the key hashes the data files' bytes, the tokenizer's ``tokenizer.json`` (or its
+``tiktoken.model`` and the ``tokenizer_config.json`` beside it, which names its special tokens), the template and its
+variables, the layout options and :data:`CACHE_VERSION`; a second run with the same inputs maps those files and
+starts at once. Files are written under a temporary name and renamed.
 """
 
 import hashlib
@@ -24,7 +25,7 @@ from eqmoe.cache import cache_root
 from eqmoe.data.chat import encode_chats
 from eqmoe.data.formats import Item, read_conversations
 from eqmoe.data.records import content_digest, count_bytes
-from eqmoe.data.tokenizer import Tokenizer
+from eqmoe.data.tokenizer import TIKTOKEN_FILE, Tokenizer
 
 CACHE_VERSION = 1
 _BATCH = 256
@@ -56,12 +57,22 @@ class TokenizedFile(NamedTuple):
         return (self.conversation(i) for i in range(len(self)))
 
 
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
 def _tokenizer_identity(tokenizer: Tokenizer) -> str:
+    """The digest of the tokenizer's file; a ``tiktoken.model``'s special tokens come from the
+    ``tokenizer_config.json`` beside it, so that file's digest joins it (``-`` when there is none)."""
     path = getattr(tokenizer, "path", None)
     if path is None or not Path(path).is_file():
         return repr(tokenizer)
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+    path = Path(path)
+    if path.name != TIKTOKEN_FILE:
+        return _file_digest(path)
+    config = path.parent / "tokenizer_config.json"
+    return f"{_file_digest(path)}+{_file_digest(config) if config.is_file() else '-'}"
 
 
 def cache_key(path: Path, tokenizer: Tokenizer, field: str | None, split: str | None) -> str:
