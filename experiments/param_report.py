@@ -4,7 +4,8 @@
     python -m experiments.param_report --preset qwen3-235b-a22b --json
 
 Prints one row per parameter array (stacked layers appear once, with their leading ``repeats`` axis)
-and the total and active counts; active counts only ``top_k / num_experts`` of the routed experts.
+and the total and active counts; active counts only ``top_k / num_experts`` of the routed experts. The
+multi-token-prediction layers DeepSeek-V3 keeps after its decoder are counted on a line of their own (``mtp``).
 A family may add columns: for the Envy presets each row also names the same parameter in AXLearn and in
 MaxText, with its shape there (the parameter-equivalence report).
 """
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass
 import tyro
 
 from eqmoe import models
-from eqmoe.analysis import ParamRow, count_parameters, parameter_table
+from eqmoe.analysis import ParamRow, count_mtp, count_parameters, parameter_table
 from eqmoe.config import ModelConfig
 from experiments.options import JsonOptions, PresetOptions
 
@@ -37,14 +38,15 @@ def _reference_columns(config: ModelConfig, row: ParamRow) -> dict[str, str]:
 
 
 def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: int) -> str:
-    """The per-parameter table, then the total and active counts with thousands separators."""
+    """The per-parameter table, then the total and active counts with thousands separators (and the
+    multi-token-prediction layers' count on a line of its own)."""
     records = [
         {
             "path": row.path,
             "shape": _shape(row.shape),
             **_reference_columns(config, row),
             "count": f"{row.count:,}",
-            "routed": "yes" if row.routed else "",
+            "routed": "yes" if row.routed else ("mtp" if row.mtp else ""),
         }
         for row in rows
     ]
@@ -58,6 +60,8 @@ def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: 
     ]
     width = len(f"{total:,}")
     lines += ["", f"total  {total:>{width},}", f"active {active:>{width},}"]
+    if mtp := count_mtp(rows):
+        lines.append(f"mtp    {mtp:>{width},}  (multi-token-prediction layers: not in total or active)")
     return "\n".join(lines)
 
 
@@ -71,7 +75,8 @@ def main(args: Args) -> int:
     total, active = count_parameters(config, rows)
     if args.json:
         parameters = [{**asdict(row), "shape": list(row.shape), **_reference_columns(config, row)} for row in rows]
-        print(json.dumps({"preset": args.preset, "total": total, "active": active, "parameters": parameters}))
+        counts = {"total": total, "active": active, "mtp": count_mtp(rows)}
+        print(json.dumps({"preset": args.preset, **counts, "parameters": parameters}))
     else:
         print(f"preset {args.preset}\n")
         print(format_table(config, rows, total, active))
