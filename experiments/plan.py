@@ -92,6 +92,7 @@ def plan(args: Args) -> list[dict]:
                 "analytic": {**estimate._asdict(), "argument": estimate.argument, "temp": estimate.temp},
                 "flops_per_token": {"total_params": total_flops, "active_params": active_flops},
                 "tokens_per_second_at_mfu": tokens_per_second,
+                "cache_bytes_per_token": planning.cache_bytes_per_token(config),
                 "compiled": None,
                 "compile_error": None,
             }
@@ -127,7 +128,7 @@ def table(args: Args, rows: list[dict]) -> str:
         line = (
             f"{'':<29}model FLOPs/token {flops['total_params']:.3e} (all params) {flops['active_params']:.3e} "
             f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {args.peak_tflops} "
-            f"TFLOP/s x {row['devices']} devices"
+            f"TFLOP/s x {row['devices']} devices; decoding cache {row['cache_bytes_per_token']:,} bytes/token"
         )
         if c is not None:
             xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch_size * args.seq_len):.3e}"

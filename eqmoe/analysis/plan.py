@@ -218,6 +218,8 @@ def compile_step(
 def active_parameters(config: ModelConfig) -> tuple[int, int]:
     """``(total, active per token)`` parameter counts, embedding lookup excluded from active."""
     model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    # the multi-token-prediction layers are not run by the causal LM's step
+    model = eqx.tree_at(lambda m: m.mtp, model, ())
     leaves = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     total = sum(math.prod(x.shape) for x in leaves)
     # The embedding lookup costs no matmul; a tied embedding is also the output layer, which does.
@@ -228,6 +230,13 @@ def active_parameters(config: ModelConfig) -> tuple[int, int]:
         routed = sum(math.prod(x.shape) for x, info in zip(leaves, infos, strict=True) if info.role.routed)
         active -= routed // router.num_experts * (router.num_experts - router.top_k)
     return total, active
+
+
+def cache_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes the decoding cache holds per token in the compute dtype, summed over layers: each attention kind's own
+    figure (grouped-query keys and values ``2 Hkv hd``; latent attention its latent and shared rotated key)."""
+    shape = PlanShape(1, 1, jnp.dtype(config.dtype).itemsize)
+    return round(sum(ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape).cache for layer in config.layers))
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
