@@ -1,5 +1,23 @@
 """Config validation: each check raises ``ValueError`` naming the owner, the field, the value given and what is
-allowed (``RouterConfig.top_k=5 is invalid; allowed: 1..num_experts=4``)."""
+allowed (``RouterConfig.top_k=5 is invalid; allowed: 1..num_experts=4``); and the kinds a config field declares."""
+
+import dataclasses
+from dataclasses import field
+
+# The kind of a config field, declared where the field is defined (see ModelConfig). A field without
+# a kind is architecture: it changes the parameters or the function they compute, so the checkpoint.
+EXECUTION = "execution"  # how the same function is computed: every value gives the same numbers
+OBJECTIVE = "objective"  # what training minimises: not part of the model's function or parameters
+
+
+def execution(default: object) -> dataclasses.Field:
+    """A config field with this default that only says how the model is executed."""
+    return field(default=default, metadata={"kind": EXECUTION})
+
+
+def objective(*, default_factory) -> dataclasses.Field:
+    """A config field (with this default factory) that is part of the training objective."""
+    return field(default_factory=default_factory, metadata={"kind": OBJECTIVE})
 
 
 def _check(condition: bool, owner: str, name: str, value: object, allowed: str) -> None:

@@ -11,29 +11,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from eqmoe._checks import _check, _one_of, _positive
+from eqmoe._checks import EXECUTION, OBJECTIVE, _check, _one_of, _positive, execution, objective  # noqa: F401
 from eqmoe._checks import is_number as _is_number
 from eqmoe.latent_attention import LatentAttentionConfig  # noqa: F401 (part of the config API)
 from eqmoe.rope_scaling import ROPE_TYPES, RopeScaling  # noqa: F401 (part of the config API)
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-# The kind of a config field, declared where the field is defined (see ModelConfig). A field without
-# a kind is architecture: it changes the parameters or the function they compute, so the checkpoint.
-EXECUTION = "execution"  # how the same function is computed: every value gives the same numbers
-OBJECTIVE = "objective"  # what training minimises: not part of the model's function or parameters
-
-
-def execution(default: object) -> dataclasses.Field:
-    """A config field with this default that only says how the model is executed."""
-    return field(default=default, metadata={"kind": EXECUTION})
-
-
-def objective(*, default_factory) -> dataclasses.Field:
-    """A config field (with this default factory) that is part of the training objective."""
-    return field(default_factory=default_factory, metadata={"kind": OBJECTIVE})
 
 
 def field_kind(owner: object, name: str) -> str:
@@ -283,16 +267,19 @@ class LossConfig:
       averaged over layers.
 
     ``router_z_loss_weight`` multiplies ``mean(logsumexp(router_logits)^2)``; ``output_z_loss_weight``
-    multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens.
+    multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens. ``mtp_weight`` multiplies the mean over
+    the multi-token-prediction depths of their cross-entropy (DeepSeek-V3's lambda: 0.3, then 0.1; needs
+    ``ModelConfig.mtp_layers``).
     """
 
     load_balance: str = "hf_pooled"
     load_balance_weight: float = 0.001
     router_z_loss_weight: float = 0.0
     output_z_loss_weight: float = 0.0
+    mtp_weight: float = 0.0
 
     def __post_init__(self):
-        for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight"):
+        for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight", "mtp_weight"):
             _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
 
 
@@ -511,6 +498,13 @@ class ModelConfig:
             "mtp_layers",
             mtp,
             "an integer >= 0",
+        )
+        _check(
+            self.loss.mtp_weight == 0 or mtp > 0,
+            "ModelConfig",
+            "loss.mtp_weight",
+            self.loss.mtp_weight,
+            "0 (mtp_layers=0: no multi-token-prediction layer to train)",
         )
 
     @property

@@ -6,8 +6,9 @@ Kept beside :class:`eqmoe.config.AttentionConfig` (as ``AttentionConfig.latent``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from eqmoe._checks import _check, _positive
+from eqmoe._checks import _check, _one_of, _positive, execution
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class LatentAttentionConfig:
     - ``value_dim``: each head's value width (``v_head_dim``), which may differ from its query/key width.
     - ``norm_eps``: the epsilon of the two latent norms, which transformers builds with the module default
       (1e-6), not ``rms_norm_eps``.
+    - ``decode`` (execution): how attention reads a decoding cache, which holds the latents either way.
+      ``"absorbed"`` folds ``kv_b``'s key half into the queries and its value half into the output, so the queries
+      attend to the cached latents directly (one shared key head of ``kv_rank + rope_dim``: the reason MLA exists);
+      ``"expanded"`` rebuilds every cached token's per-head keys and values first, as transformers does.
     """
 
     kv_rank: int
@@ -30,9 +35,11 @@ class LatentAttentionConfig:
     value_dim: int
     q_rank: int | None = None
     norm_eps: float = 1e-6
+    decode: Literal["absorbed", "expanded"] = execution("absorbed")
 
     def __post_init__(self):
         owner = "LatentAttentionConfig"
         _positive(owner, kv_rank=self.kv_rank, value_dim=self.value_dim, norm_eps=self.norm_eps)
         _check(self.q_rank is None or self.q_rank > 0, owner, "q_rank", self.q_rank, "None | a positive number")
         _check(self.rope_dim > 0 and self.rope_dim % 2 == 0, owner, "rope_dim", self.rope_dim, "a positive even number")
+        _one_of(owner, "decode", self.decode, ("absorbed", "expanded"))

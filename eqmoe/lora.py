@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
+from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.nn.linear import Linear, LowRank
 from eqmoe.params import Layer
 from eqmoe.registries import ATTENTION_KINDS, FFN_KINDS
@@ -185,16 +186,21 @@ def _map_linears(model, function):
     return jax.tree.map(lambda node: function(node) if is_linear(node) else node, model, is_leaf=is_linear)
 
 
-def _merged(linear: Linear) -> Linear:
+def _merged(linear: Linear, dtype) -> Linear:
     if linear.adapter is None:
         return linear
-    weight = (linear.weight + linear.adapter.delta()).astype(linear.weight.dtype)
+    held = linear.weight_array()  # a block-FP8 weight dequantized, in float32
+    dtype = dtype if is_block_fp8(linear.weight) else held.dtype
+    weight = (held + linear.adapter.delta()).astype(dtype)
     return eqx.tree_at(lambda x: (x.weight, x.adapter), linear, (weight, None), is_leaf=_is_none)
 
 
 def merge_lora(model):
-    """``model`` with every adapter folded into its weight (``W + scale * A @ B``) and no adapters left."""
-    return _map_linears(model, _merged)
+    """``model`` with every adapter folded into its weight (``W + scale * A @ B``) and no adapters left. An adapter
+    over a block-FP8 weight gives the dequantized weight plus the adapter, in the model's parameter dtype (float32
+    for a tree without a config); block-FP8 weights without an adapter stay as they are."""
+    dtype = jnp.dtype(getattr(getattr(model, "config", None), "param_dtype", "float32"))
+    return _map_linears(model, lambda linear: _merged(linear, dtype))
 
 
 def has_lora(model) -> bool:

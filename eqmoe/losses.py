@@ -46,7 +46,8 @@ def objective(
     """The training loss and every term, trained or not.
 
     ``loss = CE + output_z_loss_weight * output_z + load_balance_weight * LB[load_balance]
-    + router_z_loss_weight * router_z`` with the weights and the load-balancing form from ``config.loss``.
+    + router_z_loss_weight * router_z + mtp_weight * MTP`` with the weights and the load-balancing form from
+    ``config.loss`` (``MTP``: :func:`mtp_cross_entropy`, where the model computed its layers' logits).
     Every form registered in :data:`LOAD_BALANCE` is reported as ``load_balance_{name}``.
     """
     weights = config.loss
@@ -62,5 +63,25 @@ def objective(
         terms["dropped_fraction"] = jnp.mean(stats.dropped_fraction)
         loss = loss + weights.load_balance_weight * terms["load_balance"]
         loss = loss + weights.router_z_loss_weight * terms["router_z_loss"]
+    if output.mtp_logits is not None:
+        terms["mtp_cross_entropy"] = mtp_cross_entropy(output, tokens, target_mask)
+        loss = loss + weights.mtp_weight * terms["mtp_cross_entropy"]
     terms["loss"] = loss
     return loss, terms
+
+
+def mtp_cross_entropy(
+    output: ModelOutput, tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"]
+) -> Float[Array, ""]:
+    """The mean over depths of each multi-token-prediction depth's cross-entropy: depth ``k``'s logits at ``i``
+    against token ``i + k + 1``, where that token is a target in the same packed document as ``i``."""
+    segments = output.segment_ids if output.segment_ids is not None else jnp.zeros_like(tokens)
+    losses = []
+    for depth, logits in enumerate(output.mtp_logits, start=1):
+        seq = tokens.shape[1] - depth
+        # position m of the shifted arrays holds token i + depth with i = m - 1 the position predicting it
+        same_document = segments[:, depth:] == jnp.concatenate([segments[:, :1], segments[:, : seq - 1]], axis=1)
+        losses.append(
+            next_token_cross_entropy(logits[:, :seq], tokens[:, depth:], target_mask[:, depth:] & same_document)
+        )
+    return jnp.mean(jnp.stack(losses))

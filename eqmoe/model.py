@@ -12,8 +12,9 @@ from eqmoe.config import ModelConfig, segments
 from eqmoe.config_io import architecture_differences, format_differences
 from eqmoe.nn.block import model_init
 from eqmoe.nn.context import Context, attention_mask, cache_mask, causal_mask
+from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.nn.linear import Linear
-from eqmoe.nn.mtp import MTPLayer
+from eqmoe.nn.mtp import MTPLayer, predict_ahead
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.router import Routing
 from eqmoe.nn.routing_stats import RouterStats, layer_stats
@@ -44,14 +45,16 @@ class KVCache(eqx.Module):
 
 class ModelOutput(eqx.Module):
     """What a call returns: the logits, every MoE layer's routing in layer order (leading axis: MoE layers;
-    ``None`` without any), the updated cache when called with one, and the token facts the routing statistics
-    need (:attr:`aux`)."""
+    ``None`` without any), the updated cache when called with one, the token facts the routing statistics
+    need (:attr:`aux`), and, when the objective trains them (``LossConfig.mtp_weight``), the multi-token-prediction
+    layers' logits (depth ``k`` at position ``i`` predicts token ``i + k + 1``)."""
 
     logits: Float[Array, "batch seq vocab"]
     routing: Routing | None
     cache: KVCache | None = None
     token_mask: Bool[Array, "batch seq"] | None = None
     segment_ids: Int[Array, "batch seq"] | None = None
+    mtp_logits: Float[Array, "depth batch seq vocab"] | None = None
     num_groups: int = eqx.field(static=True, default=1)
 
     @property
@@ -99,7 +102,7 @@ class Transformer(Layer):
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         check_names(config)
         stack = segments(config.layers)
-        k_embed, k_head, k_mtp, *k_segments = jax.random.split(key, 3 + len(stack))
+        k_embed, k_head, *k_segments = jax.random.split(key, 2 + len(stack))
         init = model_init(config)
         self.embed = init.embedding(k_embed, config.vocab_size, config.embed_dim)
         self.segments = tuple(
@@ -113,7 +116,9 @@ class Transformer(Layer):
             if config.tie_embeddings
             else init.weight(k_head, (config.embed_dim, config.vocab_size), fan_in=config.embed_dim)
         )
-        self.mtp = tuple(MTPLayer(config, key=k) for k in jax.random.split(k_mtp, config.mtp_layers))
+        # keys of their own, so that a model without them draws exactly what it drew before they existed
+        mtp_keys = jax.random.split(jax.random.fold_in(key, 2**20), config.mtp_layers)
+        self.mtp = tuple(MTPLayer(config, key=k) for k in mtp_keys)
         self.config = config
 
     def __call__(
@@ -137,14 +142,20 @@ class Transformer(Layer):
             if routing is not None:
                 routings.append(routing)
             caches.append(segment_cache)
-        logits = parallel.constrain_activation(model.output_logits(x), ("batch", "seq", "vocab"))
+        hidden = model.final_norm(x)
+        logits = parallel.constrain_activation(model.head(hidden), ("batch", "seq", "vocab"))
         routing = jax.tree.map(lambda *xs: jnp.concatenate(xs), *routings) if routings else None
-        new_cache = None
+        new_cache, mtp_logits = None, None
         if cache is not None:
             new_cache = KVCache(tuple(caches), context.mask.key_valid, cache.index + tokens.shape[1])
+        elif model.mtp and self.config.loss.mtp_weight > 0:
+            mtp_key = None if key is None else jax.random.fold_in(key, len(model.segments))
+            mtp_logits = predict_ahead(model.mtp, hidden, tokens, model.embed, model.head, context, mtp_key)
         moe = self.config.moe
         groups = 1 if moe is None or cache is not None else moe.router.num_groups
-        return ModelOutput(logits, routing, new_cache, context.token_mask, segment_ids, groups)
+        return ModelOutput(
+            logits, routing, new_cache, context.token_mask, segment_ids, mtp_logits=mtp_logits, num_groups=groups
+        )
 
     def _context(self, tokens, segment_ids, positions, token_mask, cache: KVCache | None) -> Context:
         """The call's :class:`~eqmoe.nn.context.Context`: positions, real tokens, documents and the mask."""
@@ -189,9 +200,13 @@ class Transformer(Layer):
 
     def output_logits(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """The final norm and the output layer (``lm_head``, or the embedding when tied)."""
-        batch, seq, _ = x.shape
+        return self.head(self.final_norm(x))
+
+    def head(self, normed: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
+        """The output layer on normed states (``lm_head``, or the embedding when tied)."""
+        batch, seq, _ = normed.shape
         # A flat [tokens, embed] matmul: XLA:CPU's backward pass is about twice as slow on [batch, seq, embed].
-        flat = self.final_norm(x).reshape(batch * seq, -1)
+        flat = normed.reshape(batch * seq, -1)
         if self.lm_head is not None:
             logits = flat @ self.lm_head
         else:
@@ -215,8 +230,9 @@ class Transformer(Layer):
         is_linear = lambda node: isinstance(node, Linear)  # noqa: E731
         old, _ = jax.tree.flatten(self, is_leaf=is_linear)
         new, structure = jax.tree.flatten(abstract, is_leaf=is_linear)
-        shapes = [jax.tree.map(jnp.shape, leaf.weight if is_linear(leaf) else leaf) for leaf in old]
-        if len(old) != len(new) or shapes != [jax.tree.map(jnp.shape, x.weight if is_linear(x) else x) for x in new]:
+        shape = lambda node: jnp.shape(node.weight) if is_linear(node) else jax.tree.map(jnp.shape, node)  # noqa: E731
+        shapes = [shape(leaf) for leaf in old]  # a block-FP8 weight has its weight's shape
+        if len(old) != len(new) or shapes != [shape(x) for x in new]:
             raise ValueError("with_config: the new config describes different parameter shapes")
         return jax.tree.unflatten(structure, old)
 
@@ -229,4 +245,4 @@ class Transformer(Layer):
                 return leaf.astype(target)
             return leaf
 
-        return jax.tree.map(convert, self)
+        return jax.tree.map(convert, self, is_leaf=is_block_fp8)  # a block-FP8 weight stays as held

@@ -149,7 +149,9 @@ def _layer_info(layer: Layer, outer_role: Role | None = None) -> Layer:
                     raise ValueError(f"{type(layer).__name__}.{name}: shape {leaf.shape} has fewer axes than {dims}")
                 return ParamInfo(outer_role or role, ("layers",) * stacked + dims)
 
-            value = jax.tree.map(describe, value)
+            # a weight held in parts (a block-FP8 weight's values and scales): each part with its own axes
+            parts = getattr(value, "parameter_axes", None)
+            value = jax.tree.map(describe, value) if parts is None else _parts_info(value, parts(dims), describe)
         elif not field.metadata.get("static", False):
 
             def inner(node, name=field.name):
@@ -161,6 +163,17 @@ def _layer_info(layer: Layer, outer_role: Role | None = None) -> Layer:
 
             value = jax.tree.map(inner, value, is_leaf=lambda x: isinstance(x, Layer))
         object.__setattr__(info, field.name, value)
+    return info
+
+
+def _parts_info(value: Any, axes: dict[str, tuple[str, ...]], describe: Callable) -> Any:
+    """``value`` (a module holding one parameter in parts) with each part's leaves described by its own ``axes``."""
+    info = object.__new__(type(value))
+    for field in dataclasses.fields(value):
+        part = getattr(value, field.name)
+        if field.name in axes:
+            part = jax.tree.map(lambda leaf, dims=axes[field.name]: describe(leaf, dims=dims), part)
+        object.__setattr__(info, field.name, part)
     return info
 
 

@@ -12,7 +12,9 @@ class TensorName:
     of that leaf (repeat index, then expert index for stacked experts). ``linear_in_dims`` > 0 marks a
     torch ``[out, in]`` matrix: our slice has ``in`` dims first, so the tensor is transposed and reshaped.
     ``flat`` marks a vector the model holds with more axes (a ``[heads, head_dim]`` bias of a flat
-    ``[heads * head_dim]`` projection).
+    ``[heads * head_dim]`` projection). ``duplicate`` marks a second copy of a tensor another name already loads
+    (DeepSeek-V3's multi-token-prediction layer repeats the embedding and the output head): exports write it, and
+    loading checks it equals the first instead of reading it.
     """
 
     key: str
@@ -20,6 +22,7 @@ class TensorName:
     index: tuple[int, ...]
     linear_in_dims: int = 0
     flat: bool = False
+    duplicate: bool = False
 
     def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""

@@ -91,11 +91,16 @@ class LoRAOptions:
     """What gets adapters: attention, mlp, router, experts, or one matrix such as attention.q or experts.down."""
     lora_dropout: float = 0.0
     """Training-time dropout on the inputs of the attention and dense-FFN adapters (PEFT's lora_dropout)."""
+    fp8_base: bool = False
+    """With --lora-rank: hold the frozen base of a block-FP8 folder (DeepSeek-V3's published files) as stored, one byte
+    per parameter plus a scale per block, dequantized layer by layer inside the step (default: dequantized on load)."""
 
     def lora(self):
         """The :class:`eqmoe.lora.LoRAConfig` asked for (``None``: no LoRA); a ``ValueError`` naming a bad option."""
         from eqmoe.lora import LoRAConfig
 
+        if self.fp8_base and self.lora_rank is None:
+            raise ValueError("--fp8-base needs --lora-rank: a base held in FP8 is never trained, only adapters over it")
         if self.lora_rank is None:
             return None
         try:

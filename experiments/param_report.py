@@ -37,6 +37,11 @@ def _reference_columns(config: ModelConfig, row: ParamRow) -> dict[str, str]:
     return {} if columns is None else columns(row.path, row.shape)
 
 
+def _repeated(config: ModelConfig) -> int:
+    """The parameters a checkpoint repeats per multi-token-prediction layer: the embedding and output head."""
+    return config.mtp_layers * config.vocab_size * config.embed_dim * (1 if config.tie_embeddings else 2)
+
+
 def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: int) -> str:
     """The per-parameter table, then the total and active counts with thousands separators (and the
     multi-token-prediction layers' count on a line of its own)."""
@@ -61,7 +66,11 @@ def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: 
     width = len(f"{total:,}")
     lines += ["", f"total  {total:>{width},}", f"active {active:>{width},}"]
     if mtp := count_mtp(rows):
-        lines.append(f"mtp    {mtp:>{width},}  (multi-token-prediction layers: not in total or active)")
+        with_copies = mtp + _repeated(config)
+        lines.append(
+            f"mtp    {mtp:>{width},}  (multi-token-prediction layers, not in total or active; {with_copies:,} in "
+            "the files, which repeat the embedding and head they share)"
+        )
     return "\n".join(lines)
 
 
@@ -75,7 +84,8 @@ def main(args: Args) -> int:
     total, active = count_parameters(config, rows)
     if args.json:
         parameters = [{**asdict(row), "shape": list(row.shape), **_reference_columns(config, row)} for row in rows]
-        counts = {"total": total, "active": active, "mtp": count_mtp(rows)}
+        mtp = count_mtp(rows)
+        counts = {"total": total, "active": active, "mtp": mtp, "mtp_in_files": mtp + _repeated(config) if mtp else 0}
         print(json.dumps({"preset": args.preset, **counts, "parameters": parameters}))
     else:
         print(f"preset {args.preset}\n")

@@ -45,6 +45,9 @@ class Args(PresetOptions, ShapeOptions, DtypeOption, DispatchOption, LoRAOptions
     """Compile with XLA (off: the analytic estimate only)."""
 
 
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's published weight_block_size, for --fp8-base
+
+
 def _devices_needed(meshes: tuple[str, ...]) -> int:
     from eqmoe.parallel import mesh_sizes  # imports JAX but starts no backend: XLA_FLAGS can still be set
 
@@ -69,7 +72,7 @@ def plan(args: Args) -> list[dict]:
     from eqmoe.train.optimizer import OptimizerConfig
 
     lora = args.lora()
-    training = planning.Training(OptimizerConfig(freeze=args.freeze), lora)
+    training = planning.Training(OptimizerConfig(freeze=args.freeze), lora, FP8_BLOCK if args.fp8_base else None)
     rows = []
     for spec in args.meshes:
         needed = _devices_needed((spec,))
@@ -92,7 +95,10 @@ def plan(args: Args) -> list[dict]:
                 "analytic": {**estimate._asdict(), "argument": estimate.argument, "temp": estimate.temp},
                 "flops_per_token": {"total_params": total_flops, "active_params": active_flops},
                 "tokens_per_second_at_mfu": tokens_per_second,
-                "cache_bytes_per_token": planning.cache_bytes_per_token(config),
+                "frozen": dict(zip(("parameters", "bytes"), planning.frozen_storage(config, training), strict=True)),
+                "cache_bytes_per_token": dict(
+                    zip(("kept", "expanded"), planning.cache_bytes_per_token(config), strict=True)
+                ),
                 "compiled": None,
                 "compile_error": None,
             }
@@ -104,6 +110,24 @@ def plan(args: Args) -> list[dict]:
                     record["compile_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
             rows.append(record)
     return rows
+
+
+def _cache(bytes_per_token: dict) -> str:
+    kept, expanded = bytes_per_token["kept"], bytes_per_token["expanded"]
+    line = f"decoding cache {kept:,} bytes/token"
+    return line if kept == expanded else f"{line} ({expanded:,} with every head's keys and values expanded)"
+
+
+def _frozen(args: Args, frozen: dict) -> str | None:
+    """The line on what the step holds but never updates (None when it trains everything)."""
+    count, size = frozen["parameters"], frozen["bytes"]
+    if not count:
+        return None
+    held = "block-FP8 values and scales, dequantized layer by layer" if args.fp8_base else f"in {args.dtype}"
+    return (
+        f"{'':<29}frozen: {count:,} parameters in {size / 2**30:,.3f} GiB over the whole model "
+        f"({size / count:.3f} bytes/parameter: {held})"
+    )
 
 
 def table(args: Args, rows: list[dict]) -> str:
@@ -128,13 +152,15 @@ def table(args: Args, rows: list[dict]) -> str:
         line = (
             f"{'':<29}model FLOPs/token {flops['total_params']:.3e} (all params) {flops['active_params']:.3e} "
             f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {args.peak_tflops} "
-            f"TFLOP/s x {row['devices']} devices; decoding cache {row['cache_bytes_per_token']:,} bytes/token"
+            f"TFLOP/s x {row['devices']} devices; {_cache(row['cache_bytes_per_token'])}"
         )
         if c is not None:
             xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch_size * args.seq_len):.3e}"
             line += f"; XLA cost analysis {xla} FLOPs/token (loop bodies counted once)"
             line += f"; lower {c['lower_seconds']:.1f}s, compile {c['compile_seconds']:.1f}s"
         lines.append(line)
+        if (frozen := _frozen(args, row["frozen"])) is not None:
+            lines.append(frozen)
         if row["compile_error"]:
             lines.append(f"{'':<29}XLA could not compile this here ({row['compile_error']}); analytic only")
     return "\n".join(lines)

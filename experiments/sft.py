@@ -30,7 +30,7 @@ import tyro
 
 from eqmoe import Transformer, presets
 from eqmoe.analysis.evaluate import chat_metrics
-from eqmoe.checkpoints import hf
+from eqmoe.checkpoints import hf, quantized
 from eqmoe.checkpoints.base import BaseModel, identify
 from eqmoe.checkpoints.model_checkpoint import load_model
 from eqmoe.checkpoints.run_metadata import RunMetadata
@@ -55,6 +55,7 @@ from eqmoe.data import (
 from eqmoe.data.chat import message_text
 from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import add_lora, merge_lora
+from eqmoe.nn.fp8 import held_bytes
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -73,7 +74,8 @@ from experiments.options import (
 
 @dataclass(frozen=True)
 class ModelOptions(LoRAOptions, DispatchOption, StartOptions):
-    changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch"}
+    # --fp8-base changes how the frozen base is held, not what is trained: the checkpoints hold the adapters alone
+    changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch", "fp8_base"}
 
 
 def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
@@ -154,12 +156,23 @@ class StartingModel(NamedTuple):
 def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> StartingModel:
     if options.init_from_hf is not None and options.init_from_checkpoint is not None:
         raise UsageError("give --init-from-hf or --init-from-checkpoint, not both")
+    if options.fp8_base:
+        options.lora()  # refuses --fp8-base without --lora-rank
+        if options.init_from_hf is None:
+            raise UsageError("--fp8-base: give --init-from-hf with a block-FP8 folder (DeepSeek-V3's published files)")
     base = source = None
     if options.init_from_hf is not None or options.init_from_checkpoint is not None:
         if options.init_from_hf is not None:
             folder = resolve_folder(options.init_from_hf)  # a Hub id: its snapshot in the Hugging Face cache
-            # float32 master weights; on a mesh each tensor goes straight to its shards
-            model = hf.load(folder, dtype="float32", parallelism=parallelism)
+            if options.fp8_base and quantized.read_scheme(folder) is None:
+                raise UsageError(
+                    f"--fp8-base: {folder} is not block-FP8 (its config.json has no fp8 quantization_config)"
+                )
+            # float32 master weights (--fp8-base: the quantized ones as stored); on a mesh each tensor goes straight
+            # to its shards
+            model = hf.load(folder, dtype="float32", parallelism=parallelism, keep_fp8=options.fp8_base)
+            if options.fp8_base:
+                _report_fp8(model)
             base = identify(folder)
             source = ModelSource(model, base.path, None)
         else:
@@ -173,6 +186,16 @@ def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> Sta
         config = execution_config(presets.get(options.preset), options)
         model = Transformer(config, key=jax.random.key(seed))
     return StartingModel(model, config, base, source)
+
+
+def _report_fp8(model: Transformer) -> None:
+    """One line on stderr: how much of the base is held in block-FP8 and at how many bytes per parameter."""
+    count, size = held_bytes(model)
+    print(
+        f"--fp8-base: {count:,} base parameters held in block-FP8, {size / 2**20:,.1f} MiB with their scales "
+        f"({size / max(count, 1):.3f} bytes/parameter); dequantized layer by layer inside each step",
+        file=sys.stderr,
+    )
 
 
 def _with_adapters(model: Transformer, options: ModelOptions, seed: int) -> Transformer:

@@ -56,8 +56,9 @@ V3_TINY = dict(
     tie_word_embeddings=False,
 )
 V3_CASES = {
-    # (a) query latent, YaRN with mscale folded into the scale, 16 experts in 4 groups (2 kept), a dense layer.
-    "latent-yarn-grouped": {},
+    # (a) query latent, YaRN with mscale folded into the scale and a cos/sin factor of its own (mscale differs from
+    # mscale_all_dim), 16 experts in 4 groups (2 kept), a dense layer; rms_norm_eps unlike the latent norms' 1e-6.
+    "latent-yarn-grouped": dict(rope_parameters={**YARN, "mscale": 1.0}, rms_norm_eps=1e-5),
     # (b) no query latent (one q_proj), plain RoPE half-split, one group, raw top-k weights, two shared experts,
     # every layer MoE.
     "q-proj-half-split": dict(
@@ -401,30 +402,45 @@ def test_published_configs_read_as_the_presets_and_count_as_transformers(
 ):
     """The published config.json reads as the preset; param_report's total equals transformers' parameters on the
     meta device plus its e_score_correction_bias buffers (eqmoe counts the selection bias it moves), and the
-    multi-token-prediction layer (DeepSeek-V3's 14B, in its files, not in transformers' causal LM) is counted apart."""
+    multi-token-prediction layer (DeepSeek-V3's 14B in its files, with the copies of the embedding and head it shares;
+    not in transformers' causal LM) is counted apart."""
     folder = shared.write_config(tmp_path / preset, published)
     assert hf.read_config(folder) == (deepseek_v3.PRESETS | deepseek_v2.PRESETS)[preset]
     reference = family.on_meta(family.model_class.config_class.from_pretrained(folder))
     biases = sum(b.numel() for name, b in reference.named_buffers() if name.endswith("e_score_correction_bias"))
     assert shared.parameter_count(reference) == total
     report = shared.param_report(preset, capsys)
-    assert (report["total"], report["mtp"]) == (total + biases, mtp)
+    assert (report["total"], report["mtp_in_files"]) == (total + biases, mtp)
 
 
-def test_greedy_generation_with_the_latent_cache_equals_transformers(tmp_path):
-    """Left-padded prompts, 12 new tokens through the latent cache, as transformers' ``generate`` (greedy)."""
+def test_greedy_generation_from_the_latent_cache_equals_the_expanded_cache_and_transformers(tmp_path):
+    """Left-padded prompts and 40 new tokens: decoding straight from the cached latents (``kv_b`` absorbed into the
+    queries and the output, the default) gives the tokens of rebuilding every cached key and value first
+    (``latent.decode="expanded"``), and both those of transformers' ``generate`` (greedy). The logits of one step
+    agree to float rounding."""
+    import dataclasses
+
     from eqmoe.inference import generate
 
     V3.save_tiny(tmp_path, seed=9)
     reference, model = V3.reference(tmp_path), hf.load(tmp_path)
+    latent = dataclasses.replace(model.config.attention.latent, decode="expanded")
+    expanded = model.with_config(
+        model.config.replace(attention=dataclasses.replace(model.config.attention, latent=latent))
+    )
+    assert model.config.attention.latent.decode == "absorbed"
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
     ids = ids.masked_fill(mask == 0, 0)
     with torch.no_grad():
-        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False).numpy()
-    ours = generate(model, jnp.asarray(ids.numpy()), max_new_tokens=12, prompt_mask=jnp.asarray(mask.numpy() == 1))
-    np.testing.assert_array_equal(np.asarray(ours), expected)
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False).numpy()
+    prompt, prompt_mask = jnp.asarray(ids.numpy()), jnp.asarray(mask.numpy() == 1)
+    for decoder in (model, expanded):
+        ours = generate(decoder, prompt, max_new_tokens=40, prompt_mask=prompt_mask)
+        np.testing.assert_array_equal(np.asarray(ours), expected)
+    steps = [m(prompt, token_mask=prompt_mask, cache=m.init_cache(2, 12)) for m in (model, expanded)]
+    np.testing.assert_allclose(np.asarray(steps[0].logits), np.asarray(steps[1].logits), atol=1e-5, rtol=0)
 
 
 def test_dense_and_blockwise_attention_agree_on_packed_rows(tmp_path):
@@ -449,3 +465,96 @@ def test_dense_and_blockwise_attention_agree_on_packed_rows(tmp_path):
     alone = dense(ids[:1, 16:32], positions=jnp.arange(16, 32)[None]).logits
     np.testing.assert_allclose(blockwise[0, 16:32], np.asarray(alone[0]), atol=2e-5, rtol=0)
     assert np.abs(blockwise[0, 16:32] - logits("dense")[0, 16:32]).max() > 1e-3  # packing changed what it sees
+
+
+def _transformers_mtp(reference, tensors: dict[str, np.ndarray], layer: int):
+    """transformers' ``MtpModel`` (one depth) on ``reference``, its weights copied from the published names
+    ``model.layers.{layer}.*`` (per-expert tensors fused into its ``gate_up_proj`` / ``down_proj``)."""
+    from transformers.modeling_layers import MtpModel
+
+    mtp = MtpModel(reference, 1).eval()
+    prefix, state = f"model.layers.{layer}.", {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix) or ".experts." in key or "embed_tokens" in key or "shared_head.head" in key:
+            continue
+        name = key[len(prefix) :]
+        if name.startswith(("enorm", "hnorm", "eh_proj")):
+            state[f"layers.0.{name}"] = value
+        elif name.startswith("shared_head.norm"):
+            state["layers.0.post_norm.weight"] = value
+        else:
+            state[f"layers.0.mtp_block.{name}"] = value
+    experts = reference.config.n_routed_experts
+    expert = lambda e, part: tensors[f"{prefix}mlp.experts.{e}.{part}.weight"]  # noqa: E731
+    state["layers.0.mtp_block.mlp.experts.gate_up_proj"] = np.stack(
+        [np.concatenate([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(experts)]
+    )
+    state["layers.0.mtp_block.mlp.experts.down_proj"] = np.stack([expert(e, "down_proj") for e in range(experts)])
+    missing, unexpected = mtp.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=False)
+    assert not unexpected and not [m for m in missing if "embed_tokens" not in m and "shared_head" not in m], missing
+    return mtp
+
+
+def test_mtp_logits_and_loss_equal_transformers_mtp_model(tmp_path):
+    """Depth 1's logits equal transformers' MtpModel on the same weights (1e-4), and eqmoe's MTP loss term equals a
+    NumPy cross-entropy over them; the causal LM's logits and loss are unchanged by it."""
+    import dataclasses
+
+    from eqmoe.losses import objective
+
+    V3.save_tiny(tmp_path / "plain", seed=6)
+    extra = _with_mtp(tmp_path / "plain", tmp_path / "mtp")
+    tensors = {**load_file(tmp_path / "mtp" / "model.safetensors"), **extra}
+    model = hf.load(tmp_path / "mtp")
+    model = model.with_config(
+        model.config.replace(loss=dataclasses.replace(model.config.loss, mtp_weight=0.3)), allow=()
+    )
+    reference = V3.reference(tmp_path / "plain")
+    mtp = _transformers_mtp(reference, tensors, layer=3)
+    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(48)[None].expand(2, -1)
+    with torch.no_grad():
+        hidden = reference.model(ids).last_hidden_state
+        ahead = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        expected = mtp._project_to_logits(mtp.forward_layer(0, hidden, positions + 1, None, input_ids=ahead)).numpy()
+
+    output = model(jnp.asarray(ids.numpy()))
+    ours = np.asarray(output.mtp_logits[0])
+    np.testing.assert_allclose(ours[:, :-1], expected[:, :-1], atol=1e-4, rtol=0)  # the last has no token ahead
+
+    mask = jnp.ones(ids.shape, bool)
+    _, terms = objective(output, jnp.asarray(ids.numpy()), mask, model.config)
+    logits = expected[:, :-2].astype(np.float64)  # position i predicts token i + 2
+    targets = ids.numpy()[:, 2:]
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    numpy_ce = np.mean(log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
+    np.testing.assert_allclose(float(terms["mtp_cross_entropy"]), numpy_ce, rtol=1e-5)
+    np.testing.assert_allclose(float(terms["loss"]), float(terms["cross_entropy"]) + 0.3 * numpy_ce, rtol=1e-5)
+
+
+def test_pretrain_trains_the_mtp_objective(tmp_path):
+    """``pretrain --preset deepseek-v3-micro --override loss.mtp_weight=0.3``: the MTP term is logged, both
+    cross-entropies fall, and the MTP layer (frozen without the objective) is trained."""
+    import json
+
+    from eqmoe.checkpoints.model_checkpoint import load_model
+    from eqmoe.config import LossConfig
+    from eqmoe.params import Role
+    from eqmoe.train.optimizer import OptimizerConfig, trained_roles
+    from experiments import pretrain
+
+    args = pretrain.Args(
+        model=pretrain.ModelOptions(preset="deepseek-v3-micro", override=("loss.mtp_weight=0.3",)),
+        data=pretrain.DataOptions(seq_len=64, batch_size=8, chars_per_domain=6_000, eval_chars_per_domain=1_500),
+        run=pretrain.RunOptions(steps=24, out_dir=tmp_path, checkpoint_every=24, eval_every=24, log_every=4),
+    )
+    pretrain.run(args)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "mtp_cross_entropy" in row]
+    assert len(logged) >= 5
+    for term in ("cross_entropy", "mtp_cross_entropy"):
+        assert logged[-1][term] < logged[0][term] - 0.5, (term, logged[0][term], logged[-1][term])
+    trained, _ = load_model(tmp_path / "checkpoints")
+    assert trained_roles(OptimizerConfig(), trained)(Role.MTP)
+    without = trained.with_config(trained.config.replace(loss=LossConfig()))
+    assert not trained_roles(OptimizerConfig(), without)(Role.MTP)

@@ -30,6 +30,7 @@ def test_every_field_declares_its_kind_where_it_is_defined():
         "dtype",
         "scan_layers",
         "remat",
+        "mtp_layers_declared",  # what a config.json declared beyond the layers its folder holds
     ]
     assert field_kind(ModelConfig, "loss") == "objective"
     assert field_kind(ModelConfig, "param_dtype") == "architecture"  # the dtype the checkpoint stores

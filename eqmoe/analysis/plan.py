@@ -8,7 +8,8 @@ Analytic model, per device (``b = batch / (data * fsdp * expert)`` rows of ``T``
 bytes; widths already divided by their mesh axes as the sharding rules split them):
 
 - parameters ``P_local * 4`` (float32 storage; ``P_local`` from each leaf's local shard shape; parameters the step
-  never updates, frozen or a LoRA base, are held in the compute dtype: ``c`` bytes each);
+  never updates, frozen or a LoRA base, are held in the compute dtype: ``c`` bytes each; a LoRA base held in block-FP8,
+  ``Training.fp8_block``, takes one byte each plus a float32 scale per block);
 - optimizer state ``2 * P_local * 4`` (Adam's two moments);
 - gradients and the optimizer's update ``2 * P_local * 4``;
 - activations kept for the backward pass, per layer and token (``remat="none"``):
@@ -43,8 +44,10 @@ from eqmoe import parallel
 from eqmoe.config import ModelConfig, segments
 from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
+from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.nn.kinds import Cost, PlanShape
-from eqmoe.params import param_infos
+from eqmoe.nn.linear import block_fp8_like
+from eqmoe.params import ParamInfo, Role, param_info, param_infos
 from eqmoe.registries import ATTENTION_KINDS, FFN_KINDS
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import abstract_state, hold_frozen
@@ -78,20 +81,24 @@ class Memory(NamedTuple):
 
 
 class Training(NamedTuple):
-    """What a step trains: the optimizer settings (``freeze``) and LoRA adapters, if any."""
+    """What a step trains: the optimizer settings (``freeze``) and LoRA adapters, if any; ``fp8_block``: the
+    ``(b_in, b_out)`` blocks of a LoRA base held in block-FP8 (its attention, dense-FFN and expert matrices, as
+    DeepSeek-V3 publishes them; ``None``: held as the other frozen parameters)."""
 
     optimizer: OptimizerConfig = OptimizerConfig()
     lora: LoRAConfig | None = None
+    fp8_block: tuple[int, int] | None = None
 
 
 def _local_size(leaf: jax.ShapeDtypeStruct) -> int:
     return math.prod(leaf.sharding.shard_shape(leaf.shape)) if leaf.sharding is not None else math.prod(leaf.shape)
 
 
-def _model_fn(config: ModelConfig, lora: LoRAConfig | None):
+def _model_fn(config: ModelConfig, lora: LoRAConfig | None, fp8_block: tuple[int, int] | None = None):
     def build():
         model = Transformer(config, key=jax.random.key(0))
-        return model if lora is None else add_lora(model, lora, key=jax.random.key(1))
+        model = model if lora is None else add_lora(model, lora, key=jax.random.key(1))
+        return model if fp8_block is None else block_fp8_like(model, fp8_block)
 
     return build
 
@@ -99,10 +106,11 @@ def _model_fn(config: ModelConfig, lora: LoRAConfig | None):
 def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None):
     """The sharded abstract train state, its static part, the batch and the optimizer pieces."""
     training = training or Training()
-    model = eqx.filter_eval_shape(_model_fn(config, training.lora))
+    build = _model_fn(config, training.lora, training.fp8_block)
+    model = eqx.filter_eval_shape(build)
     optimizer, schedule = make_optimizer(training.optimizer, model, embed_dim=config.embed_dim)
     trained = trained_roles(training.optimizer, model)
-    held = lambda: hold_frozen(_model_fn(config, training.lora)(), trained)  # noqa: E731
+    held = lambda: hold_frozen(build(), trained)  # noqa: E731
     state = abstract_state(held, optimizer, key=jax.random.key(1))
     state = parallel.abstract_sharded(state, p)
     rows = p.sharding(("batch", "seq"), (batch, seq))
@@ -110,6 +118,28 @@ def _abstract(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int
     shapes = jax.eval_shape(lambda: Batch(*(jnp.zeros((batch, seq), d) for d in dtypes)))
     data = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), shapes)
     return state, data, optimizer, schedule
+
+
+def frozen_storage(config: ModelConfig, training: Training | None = None) -> tuple[int, int]:
+    """``(parameters, bytes)`` the step holds but never updates (a LoRA base, frozen roles; not the router bias),
+    over the whole model: in the compute dtype, or a block-FP8 base's values at one byte each plus its scales."""
+    training = training or Training()
+    build = _model_fn(config, training.lora, training.fp8_block)
+    trained = trained_roles(training.optimizer, eqx.filter_eval_shape(build))
+    model = eqx.filter_eval_shape(lambda: hold_frozen(build(), trained))
+    count = size = 0
+
+    def add(info, node):
+        nonlocal count, size
+        role = (info.values if is_block_fp8(info) else info).role
+        if role is None or role is Role.ROUTER_BIAS or trained(role):
+            return
+        count += math.prod(node.shape)
+        size += node.nbytes if is_block_fp8(node) else math.prod(node.shape) * node.dtype.itemsize
+
+    is_leaf = lambda x: isinstance(x, ParamInfo) or is_block_fp8(x)  # noqa: E731
+    jax.tree.map(add, param_info(model), model, is_leaf=is_leaf)
+    return count, size
 
 
 def plan_shape(config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int) -> PlanShape:
@@ -232,11 +262,13 @@ def active_parameters(config: ModelConfig) -> tuple[int, int]:
     return total, active
 
 
-def cache_bytes_per_token(config: ModelConfig) -> int:
+def cache_bytes_per_token(config: ModelConfig) -> tuple[int, int]:
     """Bytes the decoding cache holds per token in the compute dtype, summed over layers: each attention kind's own
-    figure (grouped-query keys and values ``2 Hkv hd``; latent attention its latent and shared rotated key)."""
+    figure (grouped-query keys and values ``2 Hkv hd``; latent attention its latent and shared rotated key), and
+    what caching every head's keys and values would take instead (the same for a kind that keeps them)."""
     shape = PlanShape(1, 1, jnp.dtype(config.dtype).itemsize)
-    return round(sum(ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape).cache for layer in config.layers))
+    costs = [ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape) for layer in config.layers]
+    return round(sum(c.cache for c in costs)), round(sum(c.expanded_cache or c.cache for c in costs))
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:

@@ -28,6 +28,7 @@ from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.models.family import TensorName
 from eqmoe.models.field_map import report_ignored
+from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.progress import phase_bar
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -147,7 +148,9 @@ def iter_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
     """``(checkpoint name, tensor)`` for every parameter, one tensor at a time: only that tensor's slice
     of a stacked leaf is copied to the host."""
     for name in _checkpoint_names(model.config):
-        yield name.key, _to_checkpoint_layout(name, np.asarray(_get(model, name.path)[name.index]))
+        held = _get(model, name.path)[name.index]
+        held = held.dequantize() if is_block_fp8(held) else held  # a block-FP8 weight's float32 dequantization
+        yield name.key, _to_checkpoint_layout(name, np.asarray(held))
 
 
 def state_dict(model: Transformer) -> dict[str, np.ndarray]:
@@ -164,9 +167,20 @@ def _leaf_path(key_path) -> tuple[str | int, ...]:
     return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
 
 
-def _read_slice(leaf: jax.ShapeDtypeStruct, names: list[TensorName], files, index: tuple[slice, ...]) -> np.ndarray:
+def _stored(file, key: str, held: str | None) -> np.ndarray:
+    """The tensor ``key`` as the model reads it: as stored or dequantized (``held`` None), or the ``"values"`` or the
+    ``"scales"`` of a weight held block-FP8."""
+    if held == "values":
+        return file.read_values(key)
+    return file.read_scales() if held == "scales" else file.read(key)
+
+
+def _read_slice(
+    leaf: jax.ShapeDtypeStruct, names: list[TensorName], files, index: tuple[slice, ...], held: str | None = None
+) -> np.ndarray:
     """The part ``index`` of a model leaf, in the leaf's dtype, assembled from the checkpoint tensors that overlap
-    it: a device's slice of stacked experts reads only the experts it holds."""
+    it: a device's slice of stacked experts reads only the experts it holds. ``held`` ``"values"`` or ``"scales"``:
+    that part of a weight held block-FP8 (its stored bytes, its scale grid)."""
     ranges = [range(*part.indices(size)) for part, size in zip(index, leaf.shape, strict=True)]
     buffer = host_buffer(tuple(len(r) for r in ranges), leaf.dtype)
     filled = 0
@@ -174,7 +188,7 @@ def _read_slice(leaf: jax.ShapeDtypeStruct, names: list[TensorName], files, inde
         stacked = len(name.index)
         if not all(i in r for i, r in zip(name.index, ranges, strict=False)):
             continue
-        tensor = _to_model_layout(name, files[name.key].read(name.key), leaf.shape[stacked:])
+        tensor = _to_model_layout(name, _stored(files[name.key], name.key, held), leaf.shape[stacked:])
         part = tensor[index[stacked:]]  # a view of the memory-mapped file: only this slice is copied
         buffer[tuple(i - r.start for i, r in zip(name.index, ranges, strict=False))] = part
         filled += part.size
@@ -194,6 +208,7 @@ def load(
     dtype: str | jnp.dtype | None = None,
     compute_dtype: str | jnp.dtype | None = None,
     parallelism: parallel.Parallelism | None = None,
+    keep_fp8: bool = False,
 ) -> Transformer:
     """Load a Hugging Face folder (any registered family) as a :class:`Transformer` whose parameters are ``dtype``
     (default: the dtype ``config.json`` declares the files hold, float32 when it declares none) and whose forward
@@ -202,7 +217,9 @@ def load(
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
     needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
     Block-FP8 files (DeepSeek-V3's layout) are dequantized tensor by tensor (:mod:`eqmoe.checkpoints.quantized`);
-    any other ``quantization_config`` is refused.
+    any other ``quantization_config`` is refused. With ``keep_fp8`` their linear weights stay as stored instead, one
+    byte per parameter plus a float32 scale per block (:class:`eqmoe.nn.fp8.BlockFP8Weight`, dequantized inside
+    each product: the frozen base of a LoRA run; :func:`eqmoe.checkpoints.quantized.hold_fp8` says which weights).
     Without ``parallelism`` each parameter is assembled on the host and put on the default device, one at a
     time. With it, each parameter goes straight to the sharding its logical axes give it
     (:func:`eqmoe.parallel.tree_shardings`): every device's slice is read from the files on its own (only the
@@ -245,12 +262,33 @@ def load(
 
     by_leaf: dict[tuple, list[TensorName]] = {}
     for name in names:
-        by_leaf.setdefault(name.path, []).append(name)
+        if not name.duplicate:
+            by_leaf.setdefault(name.path, []).append(name)
+    held = set()
+    if keep_fp8:
+        abstract, held = quantized.hold_fp8(abstract, by_leaf, files, _get, parallelism)
+        leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+        if parallelism is not None:
+            placement = parallel.tree_shardings(abstract, parallelism)
+            shardings = {_leaf_path(p): s for p, s in jax.tree_util.tree_leaves_with_path(placement)}
     arrays = {}
     for path, leaf in phase_bar(leaves.items(), f"reading {folder.name}", total=len(leaves), unit="tensor"):
-        read = functools.partial(_read_slice, leaf, by_leaf.get(path, []), files)
+        weight, part = (path[:-1], path[-1]) if path[:-1] in held else (path, None)
+        read = functools.partial(_read_slice, leaf, by_leaf.get(weight, []), files, held=part)
         arrays[path] = _place(leaf, shardings.get(path), read)
-    return jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
+    model = jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
+    _check_duplicates(model, [name for name in names if name.duplicate], files, folder)
+    return model
+
+
+def _check_duplicates(model: Transformer, duplicates: list[TensorName], files, folder: Path) -> None:
+    """Each ``duplicate`` tensor equals the one loaded for its leaf (the copy read the same way), or a one-line
+    ``ValueError`` names it: a model holds one embedding and one head, whatever the files repeat."""
+    for name in duplicates:
+        loaded = np.asarray(_get(model, name.path)[name.index])
+        copy = _to_model_layout(name, np.asarray(files[name.key].read(name.key)), loaded.shape).astype(loaded.dtype)
+        if not np.array_equal(copy, loaded):
+            raise ValueError(f"{folder}: {name.key} differs from the tensor it repeats (the model holds one of them)")
 
 
 def _without_absent_mtp(config: ModelConfig, files, folder: Path) -> ModelConfig:

@@ -14,19 +14,27 @@ byte ``e`` (``F8_E8M0``, or ``U8`` as MXFP8 checkpoints write it) meaning ``2 **
 companion (norms, embeddings, router gates, biases) are stored unquantized and read as they are.
 
 The product is formed in float32 one tensor at a time, as transformers dequantizes; the loader then casts it to
-the parameter dtype, so a model is never held in float32 beyond one tensor. Any other ``quant_method`` (INT4
-"compressed-tensors", "mxfp4", "bitsandbytes", ...) is refused: its bytes would load as garbage.
+the parameter dtype, so a model is never held in float32 beyond one tensor. ``hf.load(..., keep_fp8=True)`` instead
+keeps the values and scales as they are (:class:`eqmoe.nn.fp8.BlockFP8Weight`: the frozen base of a LoRA run held
+at one byte per parameter), reading them through :meth:`DequantizedWeight.read_values` and ``read_scales``
+(:func:`hold_fp8`). Any other ``quant_method`` (INT4 "compressed-tensors", "mxfp4", "bitsandbytes", ...) is
+refused: its bytes would load as garbage.
 """
 
 import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
+import equinox as eqx
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
+from eqmoe.nn.fp8 import FP8, BlockFP8Weight, grid
+from eqmoe.nn.linear import Linear
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SCALE_DTYPES = ("F32", "F64", "F16", "BF16", "F8_E8M0")  # plus U8 exponent bytes with scale_fmt "ue8m0"
@@ -111,8 +119,15 @@ class DequantizedWeight:
         return "F32"
 
     def read(self, key: str) -> np.ndarray:
-        scales = scales_as_float32(self.scales.read(self.scale_key), self.scales.dtype(self.scale_key))
-        return dequantize(self.file.read(key), scales, self.block)
+        return dequantize(self.file.read(key), self.read_scales(), self.block)
+
+    def read_values(self, key: str) -> np.ndarray:
+        """The stored float8_e4m3fn values, ``[out, in]`` (a weight kept block-FP8 in memory)."""
+        return self.file.read(key)
+
+    def read_scales(self) -> np.ndarray:
+        """The block scales as float32, ``[ceil(out / b0), ceil(in / b1)]``."""
+        return scales_as_float32(self.scales.read(self.scale_key), self.scales.dtype(self.scale_key))
 
 
 def _pair_problem(files: dict[str, SafetensorsFile], key: str, scheme: BlockFP8) -> str | None:
@@ -158,3 +173,71 @@ def dequantizing(
     if problems:
         raise ValueError("; ".join(problems))
     return tensors
+
+
+def hold_fp8(abstract, by_leaf: dict[tuple, list], files: dict, get, parallelism=None) -> tuple[Any, set[tuple]]:
+    """``abstract`` (a model's ``jax.ShapeDtypeStruct`` tree) with every :class:`~eqmoe.nn.linear.Linear` weight whose
+    checkpoint tensors (``by_leaf[path]``, found with ``get(tree, path)``) are all block-FP8 held as a
+    :class:`~eqmoe.nn.fp8.BlockFP8Weight`, and the paths of those weights.
+
+    A checkpoint tensor is torch ``[out, in]`` in ``[b_out, b_in]`` blocks; the model's weight is ``[*lead, *in, *out]``
+    with ``in`` and ``out`` the checkpoint's flattened dimensions, so the values are the tensor transposed and reshaped
+    (several tensors stack alike on the leading axes: repeats, experts) and the scales are the ``weight_scale_inv``
+    grid transposed, blocks ``(b_in, b_out)`` of the flattened ``[fan_in, fan_out]`` matrix. Every linear weight
+    is representable so; what stays dequantized: a weight some of whose tensors are not block-FP8, a tensor loaded into
+    anything but a ``Linear`` weight (an embedding, the output head), and, on a mesh (``parallelism``), a weight whose
+    shards along an input or output axis would cut through its blocks (the experts' products inside ``shard_map`` see
+    one shard and its own scales only)."""
+    paths, weights = [], []
+    for path, names in by_leaf.items():
+        linear = get(abstract, path[:-1]) if path[-1] == "weight" else None
+        if not isinstance(linear, Linear) or not names:
+            continue
+        tensors = [files[name.key] for name in names]
+        in_dims, out_dims = len(linear.in_axes), len(linear.out_axes)
+        if not all(isinstance(t, DequantizedWeight) for t in tensors) or len({t.block for t in tensors}) != 1:
+            continue
+        if any(name.flat or name.linear_in_dims != in_dims for name in names):
+            continue
+        block = (tensors[0].block[1], tensors[0].block[0])  # (b_in, b_out) of the [fan_in, fan_out] matrix
+        shape = linear.weight.shape
+        weight = eqx.filter_eval_shape(
+            lambda shape=shape, block=block, in_dims=in_dims, out_dims=out_dims: BlockFP8Weight(
+                jnp.zeros(shape, FP8),
+                jnp.zeros(grid(shape, block, in_dims, out_dims), jnp.float32),
+                block,
+                in_dims,
+                out_dims,
+            )
+        )
+        if parallelism is not None and not _whole_blocks(weight, linear, parallelism):
+            continue
+        paths.append(path)
+        weights.append(weight)
+    if not paths:
+        return abstract, set()
+    held = eqx.tree_at(lambda tree: [get(tree, path) for path in paths], abstract, weights)
+    return held, set(paths)
+
+
+def _whole_blocks(weight, linear, parallelism) -> bool:
+    """Whether every shard of ``weight`` along a single input or output axis holds whole blocks, and its scales are
+    split alike."""
+    _, dims = linear.declared()["weight"]
+    axes = ("layers",) * (weight.ndim - len(dims)) + tuple(dims)
+    scale_axes = weight.parameter_axes(axes)["scales"]
+    values = parallelism.spec(axes, weight.shape)
+    scales = parallelism.spec(scale_axes, tuple(weight.scales.shape))
+    lead = weight.ndim - weight.in_dims - weight.out_dims
+    sides = [(lead, -2, weight.in_dims, weight.block[0]), (weight.ndim - 1, -1, weight.out_dims, weight.block[1])]
+    for dim, grid_dim, count, block in sides:
+        if count != 1:
+            continue  # a grid over several axes is replicated; only GSPMD's global products read such weights
+        mesh = values[dim]
+        if mesh != scales[grid_dim]:
+            return False
+        if mesh is not None:
+            split = math.prod(parallelism.size(a) for a in ((mesh,) if isinstance(mesh, str) else mesh))
+            if (weight.shape[dim] // split) % block:
+                return False
+    return True

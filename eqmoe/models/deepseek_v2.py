@@ -101,6 +101,12 @@ def _routing_write(config: ModelConfig) -> dict[str, Any]:
     return {"topk_method": "group_limited_greedy", "n_group": router.expert_groups, "topk_group": kept}
 
 
+def _never(renormalize: bool) -> bool:
+    if renormalize:
+        raise ValueError("allowed: False (transformers' DeepSeek-V2 router never renormalises)")
+    return False
+
+
 FIELD_MAP = FieldMap(
     model_type=NAME,
     architecture="DeepseekV2ForCausalLM",
@@ -118,7 +124,7 @@ FIELD_MAP = FieldMap(
             _routing_write,
         ),
         # transformers' V2 router never reads it: weights are not renormalised whatever it says
-        Field("norm_topk_prob", "moe.router.renormalize", False, kind="bool", read=lambda _: False, written=False),
+        Field("norm_topk_prob", "moe.router.renormalize", False, kind="bool", read=lambda _: False, write=_never),
         Fixed("mlp_bias", False, written=False),
         dense_first_rule(LABEL, 0, attention="mla"),
     ),

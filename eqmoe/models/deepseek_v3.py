@@ -162,6 +162,32 @@ _V3 = dict(  # deepseek-ai/DeepSeek-V3 config.json (V3.1 and R1 are the same sha
 
 PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3": deepseek(family=NAME, **_V3),
+    # CPU-sized, every part of DeepSeek-V3 present: query latent, YaRN, 8 experts in 4 groups (2 kept), a shared
+    # expert, a dense first layer and one multi-token-prediction layer
+    "deepseek-v3-micro": deepseek(
+        family=NAME,
+        vocab=512,
+        embed=64,
+        layers=4,
+        dense_layers=1,
+        heads=4,
+        q_rank=48,
+        kv_rank=32,
+        nope=16,
+        rope=8,
+        value=16,
+        experts=8,
+        top_k=2,
+        expert_dim=64,
+        mlp_dim=128,
+        shared_experts=1,
+        scaling_factor=2.5,
+        groups=4,
+        groups_kept=2,
+        theta=10000.0,
+        rope_scaling=_yarn(4.0, 256, 1024, 1.0, 32.0),
+        mtp_layers=1,
+    ),
     # moonshotai/Kimi-K2-Instruct config.json ("model_type": "kimi_k2"): 384 experts, 64 heads, one dense layer
     "kimi-k2": deepseek(
         family=NAME,

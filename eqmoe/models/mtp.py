@@ -7,25 +7,28 @@ from eqmoe.registries import ATTENTION_KINDS
 
 
 def mtp_names(config: ModelConfig) -> list[TensorName]:
-    """Every tensor of ``config.mtp_layers`` multi-token-prediction layers: ``embed_tokens``, ``enorm``, ``hnorm``,
-    ``eh_proj``, ``shared_head.norm``, ``shared_head.head`` and the decoder block's own tensors (its norms, its
-    attention as its kind names it, its router with the selection bias, experts and shared experts)."""
+    """Every tensor of ``config.mtp_layers`` multi-token-prediction layers: ``embed_tokens`` and ``shared_head.head``
+    (copies of the main model's embedding and head, marked ``duplicate``), ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` and the decoder block's own tensors (its norms, its attention as its kind names it, its
+    router with the selection bias, experts and shared experts)."""
     names = []
     last = config.layers[-1]
     for j in range(config.mtp_layers):
         prefix, path = f"model.layers.{config.num_layers + j}.", ("mtp", j)
         block = (*path, "block")
+        head = ("embed",) if config.tie_embeddings else ("lm_head",)
         names += [
-            TensorName(prefix + "embed_tokens.weight", (*path, "embed"), ()),
+            # the embedding and the output head are the main model's, repeated in the files
+            TensorName(prefix + "embed_tokens.weight", ("embed",), (), duplicate=True),
+            TensorName(prefix + "shared_head.head.weight", head, (), 0 if config.tie_embeddings else 1, duplicate=True),
             TensorName(prefix + "enorm.weight", (*path, "enorm", "weight"), ()),
             TensorName(prefix + "hnorm.weight", (*path, "hnorm", "weight"), ()),
             TensorName(prefix + "eh_proj.weight", (*path, "eh_proj", "weight"), (), 1),
             TensorName(prefix + "shared_head.norm.weight", (*path, "head_norm", "weight"), ()),
-            TensorName(prefix + "shared_head.head.weight", (*path, "head"), (), 1),
             TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), ()),
             TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), ()),
         ]
-        kind = LayerKind(last.attention, "moe" if config.moe else "dense")
+        kind = LayerKind(last.attention, "moe" if config.moe else "dense")  # eqmoe.nn.mtp.mtp_layer_kind
         attention = ATTENTION_KINDS.get(kind.attention)
         names += attention.checkpoint_names(config, kind, prefix + "self_attn.", (*block, "attention"), ())
         ffn, mlp = (*block, "ffn"), prefix + "mlp."

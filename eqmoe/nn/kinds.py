@@ -54,6 +54,7 @@ class Cost(NamedTuple):
     per_step: float = 0.0  # bytes allocated once per step (a kernel's scratch), not per layer
     flops: float = 0.0  # forward FLOPs per token beyond its parameters' matmuls (attention scores and values)
     cache: float = 0.0  # bytes per token of its decoding cache (in the compute dtype)
+    expanded_cache: float = 0.0  # what a cache of every head's keys and values would hold, where the kind keeps less
 
 
 class AttentionKind(Layer):

@@ -11,8 +11,14 @@ Shapes: a weight is ``[*lead, *in, *out]`` (``lead_axes``: ``("experts",)`` for 
 ``[*lead, rank, *out]``, so everything shards like its weight. Inputs arrive flat, ``[tokens, prod(in)]``, and
 outputs leave flat, ``[tokens, prod(out)]``. Stacked copies (a scanned segment's ``layers`` axis) add leading
 axes, which the products never see: they run inside the scan.
+
+A frozen weight may be held as stored in block-FP8 (:class:`~eqmoe.nn.fp8.BlockFP8Weight`, the base of a LoRA model
+read with ``hf.load(..., keep_fp8=True)``): :meth:`Linear.matrix` dequantizes it, and each product then runs under
+``jax.checkpoint`` so that the backward pass recomputes the dequantized matrix from the FP8 bytes instead of saving
+it for every layer. Code that wants the weight as an array asks :meth:`Linear.weight_array`, never ``.weight``.
 """
 
+import functools
 import math
 
 import equinox as eqx
@@ -20,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqmoe.nn import fp8
 from eqmoe.nn._init import Init
+from eqmoe.nn.fp8 import BlockFP8Weight
 from eqmoe.params import Layer, Role
 
 
@@ -32,6 +40,19 @@ def _matrices(x: Array, inner: int, outer: int) -> Array:
     """``x`` with its last ``inner`` axes merged into one and the ``outer`` axes after them into another."""
     keep = x.ndim - inner - outer
     return x.reshape(*x.shape[:keep], math.prod(x.shape[keep : keep + inner]), math.prod(x.shape[keep + inner :]))
+
+
+def _dequantized_in_backward(product):
+    """``product`` of a matrix run under ``jax.checkpoint`` when its weight is block-FP8: the dequantized matrix is
+    then an intermediate of the product, recomputed in the backward pass, not a residual kept per layer."""
+
+    @functools.wraps(product)
+    def run(self, *args, **kwargs):
+        if isinstance(self.weight, BlockFP8Weight):
+            return jax.checkpoint(product)(self, *args, **kwargs)
+        return product(self, *args, **kwargs)
+
+    return run
 
 
 def _assemble(cls: type, **fields) -> Layer:
@@ -93,7 +114,7 @@ class Linear(Layer):
     - `init`, `key`: how it is drawn (fan-in: the product of ``in_shape``).
     """
 
-    weight: Float[Array, "..."]
+    weight: Float[Array, "..."] | BlockFP8Weight
     bias: Float[Array, "..."] | None
     adapter: LowRank | None
     role: Role = eqx.field(static=True)
@@ -138,9 +159,16 @@ class Linear(Layer):
             "bias": (Role.BIAS, (*self.lead_axes, *self.out_axes)),
         }
 
-    def matrix(self) -> Float[Array, "*lead fan_in fan_out"]:
-        """The weight as a ``[fan_in, fan_out]`` matrix (leading axes kept)."""
-        return _matrices(self.weight, len(self.in_axes), len(self.out_axes))
+    def weight_array(self, dtype=None) -> Float[Array, "..."]:
+        """The weight as an array in its own layout ``[*lead, *in, *out]``, in ``dtype`` (default: as held; a block-FP8
+        weight dequantized, in float32 by default)."""
+        if isinstance(self.weight, BlockFP8Weight):
+            return self.weight.dequantize(jnp.float32 if dtype is None else dtype)
+        return self.weight if dtype is None else _cast(self.weight, dtype)
+
+    def matrix(self, dtype=None) -> Float[Array, "*lead fan_in fan_out"]:
+        """The weight as a ``[fan_in, fan_out]`` matrix (leading axes kept), in ``dtype`` as :meth:`weight_array`."""
+        return _matrices(self.weight_array(dtype), len(self.in_axes), len(self.out_axes))
 
     def flat_bias(self) -> Float[Array, "*lead fan_out"] | None:
         if self.bias is None:
@@ -148,11 +176,12 @@ class Linear(Layer):
         out = len(self.out_axes)
         return self.bias.reshape(*self.bias.shape[: self.bias.ndim - out], -1)
 
+    @_dequantized_in_backward
     def __call__(
         self, x: Float[Array, "tokens fan_in"], key: PRNGKeyArray | None = None
     ) -> Float[Array, "tokens fan_out"]:
         """``key``: the randomness of training-time adapter dropout (``None``: none, as in evaluation)."""
-        y = x @ _cast(self.matrix(), x.dtype)
+        y = x @ self.matrix(x.dtype)
         if self.bias is not None:
             y = y + _cast(self.flat_bias(), y.dtype)
         if self.adapter is not None:
@@ -201,9 +230,10 @@ class ExpertLinear(Linear):
         a, b = self.adapter.matrices()
         return _cast(a, dtype), _cast(b, dtype) * jnp.asarray(self.adapter.scale, dtype)
 
+    @_dequantized_in_backward
     def shared_input(self, x: Float[Array, "tokens fan_in"]) -> Float[Array, "experts tokens fan_out"]:
         """Every expert's product with the same rows (the dense reference backend)."""
-        y = jnp.einsum("td,edf->etf", x, _cast(self.matrix(), x.dtype))
+        y = jnp.einsum("td,edf->etf", x, self.matrix(x.dtype))
         if self.bias is not None:
             y = y + _cast(self.flat_bias()[:, None], y.dtype)
         if self.adapter is not None:
@@ -211,9 +241,10 @@ class ExpertLinear(Linear):
             y = y + jnp.einsum("etr,erf->etf", jnp.einsum("td,edr->etr", x, a), b)
         return y
 
+    @_dequantized_in_backward
     def per_expert(self, x: Float[Array, "experts rows fan_in"]) -> Float[Array, "experts rows fan_out"]:
         """Expert ``e``'s product with its own rows ``x[e]`` (capacity buffers)."""
-        y = jnp.einsum("etd,edf->etf", x, _cast(self.matrix(), x.dtype))
+        y = jnp.einsum("etd,edf->etf", x, self.matrix(x.dtype))
         if self.bias is not None:
             y = y + _cast(self.flat_bias()[:, None], y.dtype)
         if self.adapter is not None:
@@ -221,12 +252,13 @@ class ExpertLinear(Linear):
             y = y + jnp.einsum("etr,erf->etf", jnp.einsum("etd,edr->etr", x, a), b)
         return y
 
+    @_dequantized_in_backward
     def ragged(
         self, x: Float[Array, "rows fan_in"], group_sizes: Int[Array, " experts"]
     ) -> Float[Array, "rows fan_out"]:
         """Rows sorted by expert, the first ``group_sizes[0]`` rows expert 0's and so on
         (``jax.lax.ragged_dot``); rows past the last group give zeros."""
-        y = jax.lax.ragged_dot(x, _cast(self.matrix(), x.dtype), group_sizes)
+        y = jax.lax.ragged_dot(x, self.matrix(x.dtype), group_sizes)
         if self.bias is not None:
             y = y + _rows_of_groups(_cast(self.flat_bias(), y.dtype), group_sizes, x.shape[0])
         if self.adapter is not None:
@@ -240,3 +272,26 @@ def _rows_of_groups(values: Float[Array, "experts width"], group_sizes: Int[Arra
     group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
     inside = group < values.shape[0]
     return jnp.where(inside[:, None], values[jnp.minimum(group, values.shape[0] - 1)], 0)
+
+
+def block_fp8_like(model, block: tuple[int, int] = (128, 128), roles=None):
+    """``model`` with every matrix whose role is in ``roles`` (default: attention, dense-FFN and expert matrices, the
+    ones DeepSeek-V3 publishes in block-FP8) held as a :class:`BlockFP8Weight` of ``block = (b_in, b_out)`` blocks,
+    values zero and scales one: the layout a block-FP8 base loads into, for planning (under ``eqx.filter_eval_shape``
+    nothing is allocated). Matrices that carry an adapter keep it."""
+    roles = (Role.ATTENTION, Role.MLP, Role.EXPERT) if roles is None else roles
+
+    def hold(node):
+        if not isinstance(node, Linear) or node.role not in roles or isinstance(node.weight, BlockFP8Weight):
+            return node
+        in_dims, out_dims = len(node.in_axes), len(node.out_axes)
+        weight = BlockFP8Weight(
+            values=jnp.zeros(node.weight.shape, fp8.FP8),
+            scales=jnp.ones(fp8.grid(node.weight.shape, block, in_dims, out_dims), jnp.float32),
+            block=block,
+            in_dims=in_dims,
+            out_dims=out_dims,
+        )
+        return eqx.tree_at(lambda linear: linear.weight, node, weight)
+
+    return jax.tree.map(hold, model, is_leaf=lambda node: isinstance(node, Linear))

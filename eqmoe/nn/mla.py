@@ -124,6 +124,7 @@ class LatentAttention(AttentionKind):
         compressed = self.kv_a(flat, keys[2]).reshape(batch, seq, -1)
         c = self.kv_norm(compressed[..., : latent.kv_rank])
         rope_key = apply_rope(compressed[..., None, latent.kv_rank :], cos, sin, config.rope_layout)[:, :, 0]
+        scale = width**-0.5 * yarn_softmax_scale(config.rope_scaling)
         if cache is not None:
             start = (0, context.cache_index, 0)
             cache = LatentCache(
@@ -131,16 +132,41 @@ class LatentAttention(AttentionKind):
                 jax.lax.dynamic_update_slice(cache.rope_key, rope_key.astype(cache.rope_key.dtype), start),
             )
             c, rope_key = cache.latent.astype(x.dtype), cache.rope_key.astype(x.dtype)
+            if latent.decode == "absorbed":
+                out = self._attend_latents(q, c, rope_key, context, scale).reshape(batch * seq, -1)
+                return self.o(out, keys[4]).reshape(batch, seq, embed), cache
         slots = c.shape[1]
         expanded = self.kv_b(c.reshape(batch * slots, -1), keys[3]).reshape(batch, slots, heads, -1)
         shared = jnp.broadcast_to(rope_key[:, :, None], (batch, slots, heads, latent.rope_dim))
         k = jnp.concatenate([expanded[..., :nope], shared], axis=-1).transpose(0, 2, 1, 3)
         v = expanded[..., nope:].transpose(0, 2, 1, 3)
         q = q.transpose(0, 2, 1, 3)[:, :, None]  # [batch, heads, 1, seq, width]: one query head per key head
-        scale = width**-0.5 * yarn_softmax_scale(config.rope_scaling)
         out = attend(config, q, k, v, context.mask, scale=scale, window=None)
         out = out[:, :, 0].transpose(0, 2, 1, 3).reshape(batch * seq, heads * latent.value_dim)
         return self.o(out, keys[4]).reshape(batch, seq, embed), cache
+
+    def _attend_latents(
+        self,
+        q: Float[Array, "batch seq heads width"],
+        c: Float[Array, "batch slots kv_rank"],
+        rope_key: Float[Array, "batch slots rope_dim"],
+        context: Context,
+        scale: float,
+    ) -> Float[Array, "batch seq heads value_dim"]:
+        """Attention read straight from the cached latents: ``q_nope k_nope^T = (q_nope W_k^T) c^T`` with ``W_k`` the
+        key half of ``kv_b`` (per head), so every query head attends to one shared key ``[c ; k_rope]`` and value
+        ``c``, and ``W_v``, the value half, maps each head's weighted latent to its value width afterwards. The
+        same scores and outputs as expanding the cache, at ``kv_rank + rope_dim`` values per cached token."""
+        nope = self.config.head_dim - self.config.latent.rope_dim
+        weight = self.kv_b.weight_array()  # [kv_rank, heads, nope + value_dim]
+        if self.kv_b.adapter is not None:  # an adapter on kv_b is folded in, as the expanded path applies it
+            weight = weight + self.kv_b.adapter.delta().astype(weight.dtype)
+        weight = weight.astype(q.dtype)
+        absorbed = jnp.einsum("bthn,rhn->bhtr", q[..., :nope], weight[..., :nope])
+        queries = jnp.concatenate([absorbed, q[..., nope:].transpose(0, 2, 1, 3)], axis=-1)[:, None]
+        shared_key = jnp.concatenate([c, rope_key], axis=-1)[:, None]
+        out = attend(self.config, queries, shared_key, c[:, None], context.mask, scale=scale, window=None)
+        return jnp.einsum("bhtr,rhv->bthv", out[:, 0], weight[..., nope:])
 
     @classmethod
     def init_cache(cls, config: ModelConfig, layer: LayerKind, batch: int, max_len: int, dtype) -> LatentCache:
@@ -171,7 +197,8 @@ class LatentAttention(AttentionKind):
         """Kept per token: the input, the query latent and queries, the compressed latent, the expanded keys and
         values, the output and the float32 log-sum-exp; the ``dense`` backend keeps its float32 scores and
         probabilities too. FLOPs: scores over ``head_dim`` and values over ``value_dim`` for the visible keys,
-        forward and backward (blockwise recomputes the scores). Cache: the latent and the shared rotated key."""
+        forward and backward (blockwise recomputes the scores). Cache: the latent and the shared rotated key; a cache
+        of expanded keys and values would hold ``heads (head_dim + value_dim)`` values per token."""
         attention, c = config.attention, shape.bytes
         latent, width, d = attention.latent, attention.head_dim, config.embed_dim
         heads = shape.split(attention.num_heads)
@@ -181,13 +208,15 @@ class LatentAttention(AttentionKind):
         kept = c * (2 * d + q_rank + 2 * heads * width + compressed + expanded + 2 * heads * latent.value_dim)
         kept += 4 * heads
         pair = 2 * heads * (width + latent.value_dim)  # one query against one key: scores and values
-        cache = c * compressed
+        cache, expanded_cache = c * compressed, c * attention.num_heads * (width + latent.value_dim)
         if attention.backend == "dense":
-            return Cost(kept + 10 * heads * shape.seq, flops=3 * pair * shape.seq, cache=cache)
+            flops = 3 * pair * shape.seq
+            return Cost(kept + 10 * heads * shape.seq, flops=flops, cache=cache, expanded_cache=expanded_cache)
         tile = min(attention.block_size, shape.seq)
         blocks = -(-shape.seq // tile)
         per_step = shape.tokens * 4 * heads * width + 4 * shape.rows * heads * tile * tile
-        return Cost(kept, per_step, flops=3.5 * pair * shape.seq * (blocks + 1) / (2 * blocks), cache=cache)
+        flops = 3.5 * pair * shape.seq * (blocks + 1) / (2 * blocks)
+        return Cost(kept, per_step, flops=flops, cache=cache, expanded_cache=expanded_cache)
 
     @classmethod
     def checkpoint_names(

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import optax
 
 from eqmoe.config import _check, _positive
-from eqmoe.params import Role, param_info, param_infos, role_mask
+from eqmoe.nn.fp8 import is_block_fp8
+from eqmoe.params import ParamInfo, Role, param_info, param_infos, role_mask
 
 FREEZABLE = tuple(role.value for role in Role if role.trained and role is not Role.ADAPTER)
 _ALIASES = {"embeddings": "embedding", "experts": "expert", "norms": "norm", "routers": "router"}
@@ -147,7 +148,15 @@ def trained_roles(config: OptimizerConfig, params) -> Callable[[Role], bool]:
     role, and, when ``params`` hold LoRA adapters, nothing but the adapters."""
     frozen = config.frozen_roles()
     adapters = any(info.role is Role.ADAPTER for info in param_infos(params))
-    return lambda role: role.trained and role not in frozen and (role is Role.ADAPTER or not adapters)
+    # the multi-token-prediction layers train only where the objective reads them
+    model_config = getattr(params, "config", None)
+    mtp = model_config is not None and model_config.loss.mtp_weight > 0
+
+    def trained(role: Role) -> bool:
+        updated = role.trained or (role is Role.MTP and mtp)
+        return updated and role not in frozen and (role is Role.ADAPTER or not adapters)
+
+    return trained
 
 
 def _check_declared(params) -> None:
@@ -158,6 +167,20 @@ def _check_declared(params) -> None:
             f"make_optimizer: {undeclared[0]} is an array outside any eqmoe.nn.Layer, so it has no declared role "
             "(decay, mup and training all depend on the role)"
         )
+
+
+def _check_fp8_frozen(params, is_trained: Callable[[Role], bool]) -> None:
+    """A weight held in block-FP8 (:mod:`eqmoe.nn.fp8`) is never trained: a one-line ``ValueError`` naming the first
+    one the optimizer would update."""
+    infos = param_info(params)
+    held = jax.tree_util.tree_leaves_with_path(infos, is_leaf=is_block_fp8)
+    for path, node in held:
+        if is_block_fp8(node) and isinstance(node.values, ParamInfo) and is_trained(node.values.role):
+            raise ValueError(
+                f"make_optimizer: {jax.tree_util.keystr(path)} is held in block-FP8 and its role "
+                f"{node.values.role.value!r} would be trained; an FP8 weight is never trained: train LoRA adapters "
+                "over it (--lora-rank) or load the base dequantized"
+            )
 
 
 def decays(config: OptimizerConfig, role: Role) -> bool:
@@ -206,7 +229,9 @@ def make_optimizer(
         steps.append(optax.scale_by_learning_rate(schedule))
     optimizer = optax.chain(*steps)
 
-    return _trained_only(optimizer, trained_roles(config, params)), schedule
+    is_trained = trained_roles(config, params)
+    _check_fp8_frozen(params, is_trained)
+    return _trained_only(optimizer, is_trained), schedule
 
 
 def _trained_only(inner: optax.GradientTransformation, is_trained: Callable[[Role], bool]):

@@ -10,6 +10,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from eqmoe import parallel
 from eqmoe.model import Transformer
+from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.params import Role, role_mask
 
 
@@ -53,16 +54,18 @@ def hold_frozen(model: Transformer, trained: Callable[[Role], bool]) -> Transfor
     """``model`` with every parameter the optimizer never updates (``trained(role)`` false: frozen roles, a LoRA
     model's base weights) held in the compute dtype. Each forward pass casts all parameters to that dtype
     first, so the numbers are the same and a bfloat16 run's frozen base takes half the memory. Router biases,
-    moved outside the optimizer, keep their dtype."""
+    moved outside the optimizer, keep their dtype, and a base held in block-FP8 (:mod:`eqmoe.nn.fp8`) stays so."""
     target = jnp.dtype(model.config.dtype)
     frozen = role_mask(model, lambda role: role is not Role.ROUTER_BIAS and not trained(role))
 
     def hold(frozen, leaf):
+        if is_block_fp8(leaf):
+            return leaf
         if frozen and eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != target:
             return leaf.astype(target)
         return leaf
 
-    return jax.tree.map(hold, frozen, model)
+    return jax.tree.map(hold, frozen, model, is_leaf=is_block_fp8)
 
 
 def param_count(state: TrainState) -> int:
