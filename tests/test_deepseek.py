@@ -34,7 +34,7 @@ V3_TINY = dict(
     hidden_size=32,
     intermediate_size=48,
     moe_intermediate_size=16,
-    num_hidden_layers=3,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=4,
     q_lora_rank=24,
@@ -79,7 +79,7 @@ V2_TINY = dict(
     hidden_size=32,
     intermediate_size=48,
     moe_intermediate_size=16,
-    num_hidden_layers=3,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=4,
     q_lora_rank=None,
@@ -100,7 +100,8 @@ V2_TINY = dict(
 V2_CASES = {
     # (c) V2-Lite's shape: no query latent, softmax greedy top-k, not renormalised, YaRN.
     "lite-greedy": {},
-    # (d) full V2's router: group_limited_greedy (a group scores its best expert), a query latent, scaled weights.
+    # (d) full V2's router: group_limited_greedy (a group scores its best expert), a query latent, scaled weights;
+    # with -m slow (the router alone is re-derived in NumPy by default: test_v2_group_limited_greedy_selection_...)
     "group-limited-greedy": dict(
         q_lora_rank=24,
         topk_method="group_limited_greedy",
@@ -128,9 +129,13 @@ V3 = shared.Family("deepseek_v3", transformers.DeepseekV3ForCausalLM, V3_TINY, _
 V2 = shared.Family("deepseek_v2", transformers.DeepseekV2ForCausalLM, V2_TINY, _perturb)
 ALL = [(V3, name, case) for name, case in V3_CASES.items()] + [(V2, name, case) for name, case in V2_CASES.items()]
 IDS = [f"{family.name}-{name}" for family, name, _ in ALL]
+SLOW = {"deepseek_v2-group-limited-greedy"}
+PARAMS = [
+    pytest.param(case, id=i, marks=[pytest.mark.slow] if i in SLOW else []) for case, i in zip(ALL, IDS, strict=True)
+]
 
 
-@pytest.fixture(params=ALL, ids=IDS, name="saved")
+@pytest.fixture(params=PARAMS, name="saved")
 def _saved(request, tmp_path):
     family, name, case = request.param
     family.save_tiny(tmp_path, seed=len(name), **case)
@@ -196,7 +201,7 @@ def test_multi_token_prediction_tensors_are_kept_and_exported(tmp_path, capsys):
     extra = _with_mtp(tmp_path / "plain", tmp_path / "mtp")
     model = hf.load(tmp_path / "mtp")
     assert model.config.mtp_layers == 1 and len(model.mtp) == 1
-    np.testing.assert_array_equal(np.asarray(model.mtp[0].eh_proj.weight), extra["model.layers.3.eh_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(model.mtp[0].eh_proj.weight), extra["model.layers.2.eh_proj.weight"].T)
     ids = jnp.arange(40).reshape(2, 20) % 97
     np.testing.assert_array_equal(np.asarray(model(ids).logits), np.asarray(plain(ids).logits))
     hf.save(model, tmp_path / "back")
@@ -204,6 +209,13 @@ def test_multi_token_prediction_tensors_are_kept_and_exported(tmp_path, capsys):
     for key, value in {**load_file(tmp_path / "mtp" / "model.safetensors")}.items():
         np.testing.assert_array_equal(written[key], value, err_msg=key)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    # the model holds one embedding and one head: a copy that differs is refused, naming it
+    tensors = load_file(tmp_path / "mtp" / "model.safetensors")
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["model.layers.2.shared_head.head.weight"] + 1
+    save_file(tensors, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^[^\n]*model\.layers\.2\.shared_head\.head\.weight differs"):
+        hf.load(tmp_path / "mtp")
 
 
 def test_kimi_k2_model_type_reads_as_deepseek_v3(tmp_path):
@@ -422,7 +434,7 @@ def test_greedy_generation_from_the_latent_cache_equals_the_expanded_cache_and_t
 
     from eqmoe.inference import generate
 
-    V3.save_tiny(tmp_path, seed=9)
+    V3.save_tiny(tmp_path, seed=9, num_hidden_layers=2)  # a dense layer and a routed one
     reference, model = V3.reference(tmp_path), hf.load(tmp_path)
     latent = dataclasses.replace(model.config.attention.latent, decode="expanded")
     expanded = model.with_config(
@@ -448,7 +460,7 @@ def test_dense_and_blockwise_attention_agree_on_packed_rows(tmp_path):
     row) and the dense reference give the same logits on packed documents, and attention never crosses them."""
     import dataclasses
 
-    V3.save_tiny(tmp_path, seed=2)
+    V3.save_tiny(tmp_path, seed=2, num_hidden_layers=2, first_k_dense_replace=2)  # attention is what is compared
     model = hf.load(tmp_path)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 64)))
     segments = jnp.asarray(np.repeat([[1, 2, 3, 4], [1, 1, 2, 2]], 16, axis=1))
@@ -510,7 +522,7 @@ def test_mtp_logits_and_loss_equal_transformers_mtp_model(tmp_path):
         model.config.replace(loss=dataclasses.replace(model.config.loss, mtp_weight=0.3)), allow=()
     )
     reference = V3.reference(tmp_path / "plain")
-    mtp = _transformers_mtp(reference, tensors, layer=3)
+    mtp = _transformers_mtp(reference, tensors, layer=2)
     ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(48)[None].expand(2, -1)
     with torch.no_grad():
@@ -532,6 +544,81 @@ def test_mtp_logits_and_loss_equal_transformers_mtp_model(tmp_path):
     np.testing.assert_allclose(float(terms["loss"]), float(terms["cross_entropy"]) + 0.3 * numpy_ce, rtol=1e-5)
 
 
+def test_v2_group_limited_greedy_selection_matches_the_published_rule():
+    """DeepSeek-V2's ``group_limited_greedy`` as transformers' DeepseekV2TopkRouter computes it, in NumPy: softmax
+    scores, each group scored by its best expert, the ``topk_group`` best groups kept (others masked with 0), the
+    ``top_k`` largest kept scores times ``routed_scaling_factor``, not renormalised."""
+    from eqmoe.config import RouterConfig
+    from eqmoe.nn.router import STRATEGIES
+
+    config = RouterConfig(
+        num_experts=16,
+        top_k=4,
+        renormalize=False,
+        routed_scaling_factor=16.0,
+        expert_groups=4,
+        expert_groups_kept=2,
+        expert_group_score="max",
+    )
+    logits = np.random.default_rng(0).normal(0, 2, (500, 16)).astype(np.float32)
+    weights, experts = STRATEGIES.get("softmax_top_k").route(jnp.asarray(logits), config, None)
+    weights = np.asarray(weights) * config.routed_scaling_factor
+
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    best_groups = np.argsort(-scores.reshape(500, 4, 4).max(-1), axis=-1, kind="stable")[:, :2]
+    keep = np.zeros((500, 4), bool)
+    np.put_along_axis(keep, best_groups, True, axis=-1)
+    masked = np.where(np.repeat(keep, 4, axis=-1), scores, 0.0)
+    chosen = np.argsort(-masked, axis=-1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(chosen, -1))
+    expected = np.take_along_axis(masked, chosen, -1) * 16.0
+    np.testing.assert_allclose(np.sort(weights, -1), np.sort(expected, -1), rtol=1e-6)
+    ungrouped = np.argsort(-scores, axis=-1, kind="stable")[:, :4]
+    assert (np.sort(ungrouped, -1) != np.sort(chosen, -1)).any(-1).mean() > 0.05  # the groups change the choice
+
+
+def test_the_mtp_objective_trains_both_predictions():
+    """Adam on ``loss = CE + 0.3 MTP`` over a fixed batch of ``deepseek-v3-micro``: both cross-entropies fall, and
+    the MTP layer's parameters (role ``mtp``) receive a gradient."""
+    import equinox as eqx
+    import jax
+    import optax
+
+    from eqmoe import Transformer, presets
+    from eqmoe.config_io import apply_overrides
+    from eqmoe.losses import objective
+
+    config = apply_overrides(presets.get("deepseek-v3-micro"), {"loss.mtp_weight": 0.3})
+    model = Transformer(config, key=jax.random.key(0))
+    text = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 12, np.uint8).astype(np.int32)
+    tokens = jnp.asarray(text[: 4 * 64].reshape(4, 64))
+    mask = jnp.ones(tokens.shape, bool)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(p):
+        return objective(eqx.combine(p, static)(tokens), tokens, mask, config)
+
+    optimizer = optax.adam(3e-3)
+
+    @eqx.filter_jit
+    def step(p, state):
+        (_, terms), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, terms, grads
+
+    state, history = optimizer.init(params), []
+    for _ in range(15):
+        params, state, terms, grads = step(params, state)
+        history.append(terms)
+    for term in ("cross_entropy", "mtp_cross_entropy"):
+        assert float(history[-1][term]) < float(history[0][term]) - 0.5, term
+    assert float(jnp.abs(grads.mtp[0].eh_proj.weight).max()) > 0
+
+
+# -m slow (37 s): the objective's training runs by default (test_the_mtp_objective_trains_both_predictions); this is
+# the pretrain command around it
+@pytest.mark.slow
 def test_pretrain_trains_the_mtp_objective(tmp_path):
     """``pretrain --preset deepseek-v3-micro --override loss.mtp_weight=0.3``: the MTP term is logged, both
     cross-entropies fall, and the MTP layer (frozen without the objective) is trained."""

@@ -81,7 +81,9 @@ def _with_roles(model) -> list[tuple[jax.Array, ParamInfo]]:
     return list(zip(jax.tree.leaves(arrays), infos, strict=True))
 
 
-@pytest.mark.parametrize("dispatch", ["sorted", "ragged_dot"])
+# ragged_dot (the accelerator path) with -m slow: the FP8 container and its recomputed product are the same code
+# under both backends, and ragged_dot's own numbers equal sorted's in tests/test_stack_and_dispatch.py
+@pytest.mark.parametrize("dispatch", ["sorted", pytest.param("ragged_dot", marks=pytest.mark.slow)])
 def test_a_lora_step_on_the_fp8_base_is_the_step_on_its_dequantization(folder, dispatch):
     """Two steps (the second with adapters the first moved), float32 compute: the losses and gradient norms equal
     those of the same steps on ``hf.load``'s dequantized base (1e-5 relative), so do the adapters, and the FP8 base
@@ -170,6 +172,9 @@ def test_merging_an_adapter_over_the_fp8_base_gives_the_dequantized_weight_plus_
         np.testing.assert_array_equal(np.asarray(value), np.asarray(wanted), err_msg=jax.tree_util.keystr(path))
 
 
+# -m slow (49 s): its parts run by default, a LoRA step on the FP8 base (the step test), merging over it, decoding
+# from it and the option's refusals above; this is the whole sft command around them, resume and both exports
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Data has no positive values")  # two steps' plots
 def test_sft_on_the_fp8_base_resumes_and_exports_the_merged_model(folder, tmp_path, capsys, monkeypatch):
     """Two sft steps with ``--fp8-base`` (and ``--freeze router``), one more step resumed, a merged export:
@@ -216,6 +221,8 @@ def test_sft_on_the_fp8_base_resumes_and_exports_the_merged_model(folder, tmp_pa
     assert (adapters / "adapter_model.safetensors").is_file()
 
 
+# -m slow (12 s): every product reading the FP8 base, kv_b's dequantization included, is checked by the step test
+@pytest.mark.slow
 def test_greedy_generation_reads_the_fp8_base(folder):
     """Decoding through the latent cache (queries absorbing ``kv_b``, read dequantized) gives the tokens of the
     dequantized base."""

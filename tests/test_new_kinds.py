@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jaxtyping import Array, Float
 
 from eqmoe import parallel, presets
@@ -197,6 +198,10 @@ def _micro(*kinds: str) -> ModelConfig:
 # --- training through the per-layer list and pretrain --override -------------------------------------------
 
 
+# -m slow (29 s): a registered attention kind other than gqa trains through pretrain and decodes from its own cache
+# by default in tests/test_deepseek.py (the mla kind: test_pretrain_trains_the_mtp_objective and the greedy
+# generation test), and both test-local kinds decode from their caches below
+@pytest.mark.slow
 def test_both_kinds_train_through_pretrain_override(tmp_path):
     from experiments import generate as generate_cli
     from experiments import pretrain

@@ -410,6 +410,9 @@ def _kimi_model_folder(folder):
     return _kimi_folder(folder)
 
 
+# -m slow (13 s): the commands' choice of the folder's tiktoken tokenizer and the exports carrying it run by default
+# (test_commands_pick_a_model_folders_tiktoken_tokenizer, test_hub_downloads_and_exports_carry_tiktoken_model)
+@pytest.mark.slow
 def test_sft_from_a_kimi_folder_trains_on_its_tiktoken_tokenizer_and_exports_it(tmp_path, capsys):
     """sft --init-from-hf on a Kimi K2 folder renders and tokenises with its tiktoken tokenizer (not the byte
     tokenizer), and convert --to-hf carries tiktoken.model, tokenizer_config.json and the tokenization code."""
