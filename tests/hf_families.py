@@ -33,6 +33,18 @@ def perturb_norms(name: str, tensor) -> None:
         tensor.add_(0.1 * torch.randn_like(tensor))
 
 
+def perturb_router_and_norms(name: str, tensor) -> None:
+    """For DeepSeek-style routers: norms and biases off their initial values, the router spread out (transformers
+    starts it near 0, every sigmoid score ~0.5) and ``e_score_correction_bias`` nonzero, so that every part matters
+    and the correction bias changes which experts are chosen."""
+    if name.endswith(("norm.weight", ".bias")):
+        tensor.add_(0.1 * torch.randn_like(tensor))
+    elif name.endswith("mlp.gate.weight"):
+        tensor.normal_(0.0, 0.3)
+    elif name.endswith("e_score_correction_bias"):
+        tensor.normal_(0.0, 0.2)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A transformers MoE family under test: ``name`` is eqmoe's name for it, ``model_class`` transformers'

@@ -114,19 +114,8 @@ V2_CASES = {
 }
 
 
-def _perturb(name: str, tensor) -> None:
-    """Norms and biases off their initial values, the router spread out and the correction bias nonzero, so that
-    every part (the two latent norms included) matters and the bias changes which experts are chosen."""
-    if name.endswith(("norm.weight", ".bias")):
-        tensor.add_(0.1 * torch.randn_like(tensor))
-    elif name.endswith("mlp.gate.weight"):
-        tensor.normal_(0.0, 0.3)
-    elif name.endswith("e_score_correction_bias"):
-        tensor.normal_(0.0, 0.2)
-
-
-V3 = shared.Family("deepseek_v3", transformers.DeepseekV3ForCausalLM, V3_TINY, _perturb)
-V2 = shared.Family("deepseek_v2", transformers.DeepseekV2ForCausalLM, V2_TINY, _perturb)
+V3 = shared.Family("deepseek_v3", transformers.DeepseekV3ForCausalLM, V3_TINY, shared.perturb_router_and_norms)
+V2 = shared.Family("deepseek_v2", transformers.DeepseekV2ForCausalLM, V2_TINY, shared.perturb_router_and_norms)
 ALL = [(V3, name, case) for name, case in V3_CASES.items()] + [(V2, name, case) for name, case in V2_CASES.items()]
 IDS = [f"{family.name}-{name}" for family, name, _ in ALL]
 # with -m slow: V3's (b) (its q_proj is V2-Lite's (c), its half-split RoPE and one-group raw-weight routing with two

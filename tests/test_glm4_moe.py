@@ -73,19 +73,7 @@ CASES = {  # None drops the field (transformers then derives it)
 }
 
 
-def _perturb(name: str, tensor) -> None:
-    """transformers starts its norms at 1, its biases and e_score_correction_bias at 0 and its router near 0
-    (scores all ~0.5): moved so that every part matters, the router's scores spread and the correction bias
-    changes which experts are chosen."""
-    if name.endswith(("norm.weight", ".bias")):
-        tensor.add_(0.1 * torch.randn_like(tensor))
-    elif name.endswith("mlp.gate.weight"):
-        tensor.normal_(0.0, 0.3)
-    elif name.endswith("e_score_correction_bias"):
-        tensor.normal_(0.0, 0.2)
-
-
-GLM = shared.Family("glm4_moe", transformers.Glm4MoeForCausalLM, TINY, _perturb)
+GLM = shared.Family("glm4_moe", transformers.Glm4MoeForCausalLM, TINY, shared.perturb_router_and_norms)
 saved = shared.saved_fixture(GLM, CASES)
 
 
