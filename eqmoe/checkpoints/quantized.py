@@ -142,10 +142,10 @@ def _pair_problem(files: dict[str, SafetensorsFile], key: str, scheme: BlockFP8)
     shape = weight.shape(key)
     if len(shape) < 2:
         return f"{weight.path}: {key} has shape {list(shape)}, a block-FP8 weight needs at least two dimensions"
-    grid = (*shape[:-2], *(math.ceil(size / b) for size, b in zip(shape[-2:], scheme.block, strict=True)))
-    if scales.shape(scale_key) != grid:
+    blocks = (*shape[:-2], *(math.ceil(size / b) for size, b in zip(shape[-2:], scheme.block, strict=True)))
+    if scales.shape(scale_key) != blocks:
         return (
-            f"{scales.path}: {scale_key} has shape {list(scales.shape(scale_key))}, expected {list(grid)} "
+            f"{scales.path}: {scale_key} has shape {list(scales.shape(scale_key))}, expected {list(blocks)} "
             f"({key} {list(shape)} in {scheme.block[0]}x{scheme.block[1]} blocks)"
         )
     return None
