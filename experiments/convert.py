@@ -21,8 +21,10 @@ it moved).
 Tensors move one at a time, so host memory holds about the model once plus one tensor (plus one output shard
 when writing HF). Outputs are written under a temporary name and renamed; an existing output is refused
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
-A block-FP8 folder (DeepSeek-V3's published layout) is dequantized while it is read, and the line saying so names
-the dtype of the unquantized output; any other ``quantization_config`` (INT4, MXFP4, ...) is refused.
+A block-FP8 folder (DeepSeek-V3's published layout) or an MXFP4 one (gpt-oss's published expert weights) is
+dequantized while it is read, and the line saying so names the dtype of the unquantized output ("... holds MXFP4
+expert weights, dequantized: OUT is unquantized bfloat16"); any other ``quantization_config`` (INT4, bitsandbytes,
+...) is refused.
 """
 
 import dataclasses

@@ -234,7 +234,7 @@ def test_other_quantization_is_refused_and_nothing_is_written(plain, tmp_path, c
     assert "'compressed-tensors'" in err and str(folder / "config.json") in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["int4"]  # no output, no staging folder left behind
 
-    for method in ("mxfp4", "bitsandbytes"):
+    for method in ("awq", "bitsandbytes"):
         folder = _with_quantization(plain, tmp_path / method, {"quant_method": method})
         with pytest.raises(ValueError, match=rf"config.json: quantization_config.quant_method='{method}' is not"):
             hf.load(folder)

@@ -17,8 +17,11 @@ The product is formed in float32 one tensor at a time, as transformers dequantiz
 the parameter dtype, so a model is never held in float32 beyond one tensor. ``hf.load(..., keep_fp8=True)`` instead
 keeps the values and scales as they are (:class:`eqmoe.nn.fp8.BlockFP8Weight`: the frozen base of a LoRA run held
 at one byte per parameter), reading them through :meth:`DequantizedWeight.read_values` and ``read_scales``
-(:func:`hold_fp8`). Any other ``quant_method`` (INT4 "compressed-tensors", "mxfp4", "bitsandbytes", ...) is
-refused: its bytes would load as garbage.
+(:func:`hold_fp8`).
+
+``"quant_method": "mxfp4"`` (gpt-oss's published expert weights) is read by :mod:`eqmoe.checkpoints.mxfp4`, always
+dequantized (:func:`hold_fp8` holds block-FP8 weights only). Any other ``quant_method`` (INT4 "compressed-tensors",
+"bitsandbytes", ...) is refused: its bytes would load as garbage.
 """
 
 import dataclasses
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from eqmoe.checkpoints import mxfp4
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.nn.fp8 import FP8, BlockFP8Weight, grid
 from eqmoe.nn.linear import Linear
@@ -55,9 +59,10 @@ def _refuse(path: Path, field: str, value, allowed: str) -> ValueError:
     return ValueError(f"{path}: quantization_config.{field}={value!r} is not supported; allowed: {allowed}")
 
 
-def read_scheme(folder: str | Path) -> BlockFP8 | None:
-    """The :class:`BlockFP8` that ``folder/config.json``'s ``quantization_config`` declares, ``None`` without one;
-    a one-line ``ValueError`` naming the file for any other quantization (the weights could not be read)."""
+def read_scheme(folder: str | Path) -> BlockFP8 | mxfp4.MXFP4 | None:
+    """The :class:`BlockFP8` or :class:`~eqmoe.checkpoints.mxfp4.MXFP4` that ``folder/config.json``'s
+    ``quantization_config`` declares, ``None`` without one; a one-line ``ValueError`` naming the file for any other
+    quantization (the weights could not be read)."""
     path = Path(folder) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -68,8 +73,11 @@ def read_scheme(folder: str | Path) -> BlockFP8 | None:
         return None
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: quantization_config must be a JSON object, found {spec!r}")
-    if (method := spec.get("quant_method")) != "fp8":
-        raise _refuse(path, "quant_method", method, "'fp8' (block-FP8 weights, dequantized on load)")
+    if (method := spec.get("quant_method")) == "mxfp4":
+        return mxfp4.MXFP4()
+    if method != "fp8":
+        allowed = "'fp8' (block-FP8 weights), 'mxfp4' (MXFP4 expert weights), both dequantized on load"
+        raise _refuse(path, "quant_method", method, allowed)
     if (fmt := spec.get("fmt", "e4m3")) != "e4m3":
         raise _refuse(path, "fmt", fmt, "'e4m3'")
     if (activations := spec.get("activation_scheme", "dynamic")) != "dynamic":
@@ -152,13 +160,16 @@ def _pair_problem(files: dict[str, SafetensorsFile], key: str, scheme: BlockFP8)
 
 
 def dequantizing(
-    files: dict[str, SafetensorsFile], scheme: BlockFP8 | None
-) -> dict[str, SafetensorsFile | DequantizedWeight]:
+    files: dict[str, SafetensorsFile], scheme: BlockFP8 | mxfp4.MXFP4 | None
+) -> dict[str, SafetensorsFile | DequantizedWeight | mxfp4.DequantizedMXFP4]:
     """``files`` (tensor name -> the file holding it) with every weight that has a ``weight_scale_inv`` companion
     read dequantized and the companions consumed (no longer listed). A scale whose weight is absent stays listed,
-    for the loader to report as unexpected; bad pairs are one ``ValueError`` naming each file and tensor."""
+    for the loader to report as unexpected; bad pairs are one ``ValueError`` naming each file and tensor. Under
+    MXFP4 the ``X_blocks`` / ``X_scales`` pairs become ``X`` instead (:func:`eqmoe.checkpoints.mxfp4.dequantizing`)."""
     if scheme is None:
         return dict(files)
+    if isinstance(scheme, mxfp4.MXFP4):
+        return mxfp4.dequantizing(files)
     tensors: dict[str, SafetensorsFile | DequantizedWeight] = dict(files)
     problems = []
     for scale_key in [key for key in files if key.endswith(SCALE_SUFFIX)]:
