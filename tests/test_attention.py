@@ -176,16 +176,20 @@ def test_auto_picks_cudnn_on_gpu_only_where_the_mask_allows_and_logs_the_choice(
 # --- sliding windows and a value width of its own --------------------------------------------------------------
 
 
-def _numpy_attention(q, k, v, visible, scale):
+def _numpy_attention(q, k, v, visible, scale, sinks=None):
     """``softmax(scale q k^T)`` over the visible keys times ``v``, in float64; a query that sees nothing gets 0.
-    ``q [b, n, g, T, d]``, ``k [b, n, S, d]``, ``v [b, n, S, e]``, ``visible [b, T, S]``."""
+    ``q [b, n, g, T, d]``, ``k [b, n, S, d]``, ``v [b, n, S, e]``, ``visible [b, T, S]``. ``sinks [n, g]``: one more
+    logit in each softmax's denominator (gpt-oss's sinks: ``exp(s_h)`` beside the keys' terms, no value)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     scores = np.einsum("bngtd,bnsd->bngts", q, k) * scale
     visible = np.asarray(visible)[:, None, None]
     scores = np.where(visible, scores, -np.inf)
     top = np.max(np.where(visible, scores, -np.inf), axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, :, None, None]
+    if sink is not None:
+        top = np.maximum(top, sink)
     weights = np.where(visible, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0)
-    total = weights.sum(-1, keepdims=True)
+    total = weights.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - top))
     return np.einsum("bngts,bnse->bngte", weights / np.where(total > 0, total, 1), v)
 
 
@@ -200,26 +204,33 @@ def _numpy_visible(mask, window: int | None) -> np.ndarray:
     return seen[None] & same & np.asarray(mask.key_valid)[:, None, :]
 
 
-@pytest.mark.parametrize("window", [3, 8, 13, 100], ids=["3<tile", "8=tile", "13>tile", "100>length"])
-def test_sliding_windows_in_both_backends_equal_the_published_rule(window):
-    """Outputs against a NumPy softmax over ``q - W < k <= q`` (the sliding-window mask transformers builds), and
-    the blockwise kernel's outputs and gradients against the dense reference, for packed and padded rows and a
-    length (37) that is not a multiple of the tile (8)."""
-    kq, kk, kv, kc = jax.random.split(jax.random.key(7), 4)
+@pytest.mark.parametrize(
+    ("window", "with_sinks"),
+    [(3, False), (8, True), (13, True), (100, False), (None, True)],
+    ids=["3<tile", "8=tile+sinks", "13>tile+sinks", "100>length", "full+sinks"],
+)
+def test_sliding_windows_and_sinks_in_both_backends_equal_the_published_rule(window, with_sinks):
+    """Outputs against a NumPy softmax over ``q - W < k <= q`` (the sliding-window mask transformers builds) with
+    the sink's term in the denominator, and the blockwise kernel's outputs and gradients (the sinks' included)
+    against the dense reference, for packed and padded rows and a length (37) that is not a multiple of the tile
+    (8)."""
+    kq, kk, kv, kc, ks = jax.random.split(jax.random.key(7), 5)
     q = jax.random.normal(kq, (BATCH, 2, 2, SEQ, 6))
     k = jax.random.normal(kk, (BATCH, 2, SEQ, 6))
     v = jax.random.normal(kv, (BATCH, 2, SEQ, 10))  # a value width of its own
     cotangent = jax.random.normal(kc, (BATCH, 2, 2, SEQ, 10))
+    sinks = 2.0 * jax.random.normal(ks, (2, 2)) if with_sinks else None  # large enough to take a real share
     for name, mask in _masks().items():
-        want = _numpy_attention(q, k, v, _numpy_visible(mask, window), 0.4)
+        want = _numpy_attention(q, k, v, _numpy_visible(mask, window), 0.4, sinks)
         outputs, grads = {}, {}
         for backend in (dense_attention, blockwise_attention):
 
-            def loss(q, k, v, backend=backend, mask=mask):
-                out = backend(q, k, v, mask, scale=0.4, block_size=BLOCK, window=window)
+            def loss(q, k, v, sinks, backend=backend, mask=mask):
+                out = backend(q, k, v, mask, scale=0.4, block_size=BLOCK, window=window, sinks=sinks)
                 return jnp.sum(out * cotangent), out
 
-            (_, out), grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+            argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
+            (_, out), grad = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks)
             outputs[backend.__name__], grads[backend.__name__] = out, grad
             np.testing.assert_allclose(out, want, atol=1e-5, err_msg=f"{name} {backend.__name__}")
         for want_grad, got_grad in zip(grads["dense_attention"], grads["blockwise_attention"], strict=True):

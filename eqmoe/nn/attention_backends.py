@@ -4,12 +4,14 @@ Every backend computes ``softmax(scale * q k^T + mask) v`` with the same numbers
 registered in :data:`eqmoe.registries.ATTENTION_BACKENDS` under the name ``AttentionConfig.backend`` uses
 (``"auto"`` is a resolution rule, :func:`backend_name`). Signature::
 
-    backend(q, k, v, mask, *, scale, block_size, window) -> out
+    backend(q, k, v, mask, *, scale, block_size, window, sinks) -> out
 
 with queries ``[batch, kv_heads, group, queries, qk_dim]`` (query head ``h = n * group + i`` reads key/value head
 ``n``, as HF's ``repeat_kv``), keys ``[batch, kv_heads, keys, qk_dim]``, values ``[batch, kv_heads, keys, v_dim]``
 (a value width of its own) and the output ``[batch, kv_heads, group, queries, v_dim]``. ``mask`` is an
-:class:`eqmoe.nn.context.AttentionMask`, ``window`` a sliding layer's window (``None``: full).
+:class:`eqmoe.nn.context.AttentionMask`, ``window`` a sliding layer's window (``None``: full), ``sinks`` a float32
+``[kv_heads, group]`` logit per query head that joins every softmax and is dropped after it (gpt-oss's attention
+sinks; ``None``: none). A backend that cannot compute something refuses it in one line.
 """
 
 import logging
@@ -37,11 +39,23 @@ def scale_once(x: Float[Array, "*shape"], factor: float) -> Float[Array, "*shape
     return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
+Sinks = Float[Array, "kv_heads group"]
+
+
 def dense_attention(
-    q: Queries, k: Keys, v: Values, mask: AttentionMask, *, scale: float, block_size: int, window: int | None = None
+    q: Queries,
+    k: Keys,
+    v: Values,
+    mask: AttentionMask,
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None = None,
+    sinks: Sinks | None = None,
 ) -> Output:
     """The reference: every score materialised, HF eager numerics (scores in the compute dtype, scaled
-    once, softmax in float32, probabilities cast back). A query that sees no key gets output 0."""
+    once, softmax in float32, probabilities cast back). A sink is one more column of the softmax, dropped after
+    it (transformers' ``gpt_oss`` eager attention). A query that sees no key gets output 0."""
     batch, kv_heads, group, queries, _ = q.shape
     rows = q.reshape(batch, kv_heads, group * queries, q.shape[-1])  # one free axis: faster einsums on XLA:CPU
     scores = jnp.einsum("bnqd,bnkd->bnqk", rows, k)
@@ -50,21 +64,37 @@ def dense_attention(
     visible = mask.dense(window)[:, None, None]
     visible = jnp.broadcast_to(visible, (batch, 1, group, *visible.shape[3:])).reshape(batch, 1, rows.shape[2], -1)
     scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+    scores = scores.astype(jnp.float32)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        column = jnp.broadcast_to(
+            jnp.repeat(sinks.astype(jnp.float32), queries, axis=1)[None, :, :, None],
+            (batch, kv_heads, rows.shape[2], 1),
+        )
+        probs = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(jnp.any(visible, axis=-1, keepdims=True), probs, 0.0).astype(q.dtype)
     out = jnp.einsum("bnqk,bnkd->bnqd", probs, v)
     return out.reshape(batch, kv_heads, group, queries, v.shape[-1])
 
 
 def cudnn_attention(
-    q: Queries, k: Keys, v: Values, mask: AttentionMask, *, scale: float, block_size: int, window: int | None = None
+    q: Queries,
+    k: Keys,
+    v: Values,
+    mask: AttentionMask,
+    *,
+    scale: float,
+    block_size: int,
+    window: int | None = None,
+    sinks: Sinks | None = None,
 ) -> Output:
     """cuDNN's fused flash attention through ``jax.nn.dot_product_attention`` (GPU, half precision,
-    plain causal masks only)."""
-    if not mask.plain_causal or window is not None or q.shape[-1] != v.shape[-1]:
+    plain causal masks only, no sinks)."""
+    if not mask.plain_causal or window is not None or sinks is not None or q.shape[-1] != v.shape[-1]:
         raise ValueError(
-            "attention backend 'cudnn' needs a plain causal mask (no packing, padding, cache or window) and equal "
-            "query and value widths"
+            "attention backend 'cudnn' needs a plain causal mask (no packing, padding, cache or window), no attention "
+            "sinks and equal query and value widths"
         )
     batch, kv_heads, group, queries, head_dim = q.shape
     q_bthd = q.reshape(batch, kv_heads * group, queries, head_dim).transpose(0, 2, 1, 3)
@@ -88,15 +118,16 @@ def backend_name(
     platform: str | None = None,
     window: int | None = None,
     same_widths: bool = True,
+    sinks: bool = False,
 ) -> str:
     """The backend ``config.backend`` resolves to: ``auto`` is ``cudnn`` on GPU for half precision, a plain causal
-    mask, no window and equal query and value widths; ``blockwise`` otherwise."""
+    mask, no window, no sinks and equal query and value widths; ``blockwise`` otherwise."""
     name = config.backend
     if name != "auto":
         return name
     platform = jax.default_backend() if platform is None else platform
     half = jnp.dtype(dtype) in (jnp.dtype("bfloat16"), jnp.dtype("float16"))
-    fused = platform == "gpu" and half and mask.plain_causal and window is None and same_widths
+    fused = platform == "gpu" and half and mask.plain_causal and window is None and same_widths and not sinks
     return "cudnn" if fused else "blockwise"
 
 
@@ -104,11 +135,23 @@ _logged: set[tuple[str, str]] = set()
 
 
 def attend(
-    config: AttentionConfig, q: Queries, k: Keys, v: Values, mask: AttentionMask, *, scale: float, window: int | None
+    config: AttentionConfig,
+    q: Queries,
+    k: Keys,
+    v: Values,
+    mask: AttentionMask,
+    *,
+    scale: float,
+    window: int | None,
+    sinks: Sinks | None = None,
 ) -> Output:
     """``config.backend``'s attention (resolving ``auto``), logged once per choice at trace time."""
-    name = backend_name(config, mask, q.dtype, window=window, same_widths=q.shape[-1] == v.shape[-1])
+    same_widths = q.shape[-1] == v.shape[-1]
+    name = backend_name(config, mask, q.dtype, window=window, same_widths=same_widths, sinks=sinks is not None)
     if (config.backend, name) not in _logged:
         _logged.add((config.backend, name))
         _log.info("attention backend %r runs as %r", config.backend, name)
-    return ATTENTION_BACKENDS.get(name)(q, k, v, mask, scale=scale, block_size=config.block_size, window=window)
+    backend = ATTENTION_BACKENDS.get(name)
+    if sinks is None:  # a backend registered before sinks existed keeps working where none are asked for
+        return backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window)
+    return backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window, sinks=sinks)

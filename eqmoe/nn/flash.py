@@ -17,6 +17,12 @@ key/value head ``n``, as HF's ``repeat_kv``), keys ``[batch, kv_heads, keys, qk_
 ``[batch, kv_heads, keys, v_dim]`` (their own width).
 Scores, the softmax and all accumulators are float32; matmul inputs stay in the compute dtype.
 A query that sees no key at all (left padding) gets output 0.
+
+Attention sinks (gpt-oss) are one learned logit per query head that joins every query's softmax and takes a share
+of the probability without a value: the running maximum and normaliser start from the sink instead of from
+nothing (``m = s``, ``l = 1``), so the log-sum-exp the backward pass reads already counts it, and the sink's
+gradient is ``-sum_rows exp(s - lse) * D`` with ``D = dO . O``. Without sinks the sink is ``-inf`` and every
+number is what it was.
 """
 
 from functools import partial
@@ -111,7 +117,14 @@ def _einsum(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
+def _sink_rows(sinks: Float[Array, "kv_heads group"], batch: int, block_q: int) -> Float[Array, "batch kv_heads rows"]:
+    """Each query row's sink logit in the ``[batch, kv_heads, group * q_block]`` row layout of a tile."""
+    return jnp.broadcast_to(
+        jnp.repeat(sinks, block_q, axis=1)[None], (batch, *sinks.shape[:1], sinks.shape[1] * block_q)
+    )
+
+
+def _forward(q, k, v, sinks, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
     batch, kv_heads, group, _, _ = q.shape
     v_dim = v.shape[-1]
     nq, nk = blocks.live.shape
@@ -135,11 +148,8 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int,
 
             return jax.lax.cond(blocks.live[i, j], compute, lambda carry: carry, carry)
 
-        init = (
-            jnp.full(shape, -jnp.inf, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, v_dim), jnp.float32),
-        )
+        sink = _sink_rows(sinks, batch, block_q)  # -inf without sinks: l starts at 0 as plain online softmax
+        init = (sink, jnp.where(sink == -jnp.inf, 0.0, 1.0), jnp.zeros((*shape, v_dim), jnp.float32))
         m, denom, acc = jax.lax.fori_loop(lo[i], hi[i], key_block, init)
         seen = denom > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, denom, 1.0)[..., None], 0.0).astype(q.dtype)
@@ -153,12 +163,14 @@ def _forward(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int,
     return out, lse
 
 
-def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: int, block_k: int, window):
+def _backward(q, k, v, sinks, out, lse, d_out, blocks: _Blocks, scale: float, block_q: int, block_k: int, window):
     group = q.shape[2]
     nq, nk = blocks.live.shape
     lo, hi = _bounds(blocks.live.T)
     # D_i = sum_d dO_i * O_i: the row term of the softmax gradient.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    # the sink's probability in each row, exp(s - lse), times -D_i, summed over batch and queries
+    d_sinks = -jnp.sum(jnp.exp(sinks[None, :, :, None] - lse) * delta, axis=(0, 3))
 
     def key_block(d_q, j):
         k_tile, v_tile = _slice(k, j, block_k, 2), _slice(v, j, block_k, 2)
@@ -189,23 +201,23 @@ def _backward(q, k, v, out, lse, d_out, blocks: _Blocks, scale: float, block_q: 
     d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
     d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)
     d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_sinks
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
-    return _forward(q, k, v, blocks, scale, block_q, block_k, window)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, sinks, blocks: _Blocks, scale: float, block_q: int, block_k: int, window: int | None):
+    return _forward(q, k, v, sinks, blocks, scale, block_q, block_k, window)[0]
 
 
-def _attention_fwd(q, k, v, blocks, scale, block_q, block_k, window):
-    out, lse = _forward(q, k, v, blocks, scale, block_q, block_k, window)
-    return out, (q, k, v, out, lse, blocks)
+def _attention_fwd(q, k, v, sinks, blocks, scale, block_q, block_k, window):
+    out, lse = _forward(q, k, v, sinks, blocks, scale, block_q, block_k, window)
+    return out, (q, k, v, sinks, out, lse, blocks)
 
 
 def _attention_bwd(scale, block_q, block_k, window, residuals, d_out):
-    q, k, v, out, lse, blocks = residuals
-    d_q, d_k, d_v = _backward(q, k, v, out, lse, d_out, blocks, scale, block_q, block_k, window)
-    return d_q, d_k, d_v, None
+    q, k, v, sinks, out, lse, blocks = residuals
+    d_q, d_k, d_v, d_sinks = _backward(q, k, v, sinks, out, lse, d_out, blocks, scale, block_q, block_k, window)
+    return d_q, d_k, d_v, d_sinks, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -226,17 +238,20 @@ def blockwise_attention(
     scale: float,
     block_size: int,
     window: int | None = None,
+    sinks: Float[Array, "kv_heads group"] | None = None,
 ) -> Float[Array, "batch kv_heads group queries v_dim"]:
     """``softmax(scale * q k^T + mask) v`` computed tile by tile (see the module docstring).
 
     ``mask`` is an :class:`eqmoe.nn.context.AttentionMask`; ``window`` a sliding layer's window (``None``:
-    full); sequence lengths need not be multiples of ``block_size`` (the last block is padded with tokens no one
-    sees).
+    full); ``sinks`` each query head's sink logit (``None``: none); sequence lengths need not be multiples of
+    ``block_size`` (the last block is padded with tokens no one sees).
     """
     q_len, k_len = q.shape[3], k.shape[2]
     block_q, q_padded = _block_length(q_len, block_size)
     block_k, k_padded = _block_length(k_len, block_size)
     blocks = _blocks(mask, q_padded, k_padded, block_q, block_k, window)
     padded = (_pad(q, q_padded, 3, 0), _pad(k, k_padded, 2, 0), _pad(v, k_padded, 2, 0))
-    out = _attention(*padded, blocks, scale, block_q, block_k, window)
+    if sinks is None:
+        sinks = jnp.full(q.shape[1:3], -jnp.inf, jnp.float32)
+    out = _attention(*padded, sinks.astype(jnp.float32), blocks, scale, block_q, block_k, window)
     return out[:, :, :, :q_len]
