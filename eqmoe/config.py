@@ -48,6 +48,10 @@ class AttentionConfig:
     output projection (``"qkvo"``: OLMoE's ``attention_bias``).
     ``clip_qkv``: queries, keys and values clamped to ``[-clip_qkv, clip_qkv]`` after biases and QK-norm, before
     RoPE (OLMoE's ``clip_qkv``).
+    ``sinks``: one learned logit per query head that joins every query's softmax and is dropped after it, taking
+    a share of the probability without a value (gpt-oss's attention sinks; every backend but ``cudnn``).
+    ``sliding_cache``: how a sliding layer (``LayerKind.window``) keeps keys while decoding: ``"ring"`` keeps only
+    its window, a ring of ``window`` slots; ``"full"`` keeps every slot as a full layer does (same tokens).
     ``latent``: the widths of multi-head latent attention (:class:`LatentAttentionConfig`), read by the ``mla``
     attention kind (DeepSeek-V2/V3), whose ``head_dim`` is the query/key width and ``num_kv_heads`` equals
     ``num_heads``; ``None`` for the other kinds.
@@ -69,9 +73,11 @@ class AttentionConfig:
     rotary_dim: int | None = None
     bias: Literal["none", "qkv", "qkvo"] = "none"
     clip_qkv: float | None = None
+    sinks: bool = False
     latent: LatentAttentionConfig | None = None
     backend: str = execution("auto")
     block_size: int = execution(256)
+    sliding_cache: Literal["ring", "full"] = execution("ring")
 
     def __post_init__(self):
         _positive(
@@ -107,6 +113,7 @@ class AttentionConfig:
             f"'head' (qk_norm={self.qk_norm!r}; a whole-projection norm runs before RoPE only)",
         )
         _one_of("AttentionConfig", "bias", self.bias, ("none", "qkv", "qkvo"))
+        _one_of("AttentionConfig", "sliding_cache", self.sliding_cache, ("ring", "full"))
         rotary = self.rotary_dim
         _check(
             rotary is None or (isinstance(rotary, int) and 0 < rotary <= self.head_dim and rotary % 2 == 0),
@@ -203,6 +210,8 @@ class RouterConfig:
     selection bias), and the top-k is taken among the experts of the ``expert_groups_kept`` best groups only
     (``None``: every group). ``expert_group_score`` says how a group is scored: ``"top2_sum"`` (DeepSeek-V3, the sum
     of its two best) or ``"max"`` (DeepSeek-V2's ``group_limited_greedy``, its best).
+
+    ``gate_bias`` gives the router's linear gate a trained bias, ``logits = x @ W + b`` (gpt-oss).
     """
 
     num_experts: int
@@ -216,6 +225,7 @@ class RouterConfig:
     expert_groups: int = 1
     expert_groups_kept: int | None = None
     expert_group_score: Literal["top2_sum", "max"] = "top2_sum"
+    gate_bias: bool = False
 
     def __post_init__(self):
         _positive("RouterConfig", num_experts=self.num_experts, top_k=self.top_k, num_groups=self.num_groups)
@@ -300,6 +310,12 @@ class MoEConfig:
     and are added to the routed output; being all active they are one SwiGLU of width
     ``shared_experts * shared_expert_dim`` (GLM-4.5, DeepSeek). ``shared_expert_gate`` multiplies their output
     by ``sigmoid(x @ w)``, one learned scalar gate per token (Qwen2-MoE).
+
+    ``activation``, a name registered in :data:`eqmoe.registries.FFN_ACTIVATIONS`, is the routed experts' gated unit
+    between their input and output sides (:mod:`eqmoe.nn.activations`): ``"swiglu"`` is ``silu(gate) * up``;
+    ``"clamped_swiglu"`` is gpt-oss's ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` with the gate clamped above
+    at ``swiglu_limit`` and up clamped to ``+-swiglu_limit`` (the two constants are read by it alone).
+    ``expert_bias`` gives every routed expert's gate, up and down matrices a bias (gpt-oss).
     """
 
     router: RouterConfig
@@ -307,11 +323,16 @@ class MoEConfig:
     shared_experts: int = 0
     shared_expert_dim: int | None = None
     shared_expert_gate: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
     dispatch: str = execution("auto")
     block_size: int = execution(64)
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
+        _positive("MoEConfig", swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         _check(self.shared_experts >= 0, "MoEConfig", "shared_experts", self.shared_experts, "an integer >= 0")
         if self.shared_expert_dim is not None:
             _positive("MoEConfig", shared_expert_dim=self.shared_expert_dim)

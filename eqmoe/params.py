@@ -33,6 +33,7 @@ class Role(enum.Enum):
     ROUTER = "router"  # the router's gate
     NORM = "norm"  # RMSNorm scales
     BIAS = "bias"  # additive biases of linear maps (attention projections of Qwen2-MoE, OLMoE, GLM-4.5)
+    SINK = "sink"  # attention sinks: a learned logit per head in every softmax (gpt-oss)
     ROUTER_BIAS = "router_bias"  # aux-loss-free selection bias: state moved outside the gradient
     ADAPTER = "adapter"  # a low-rank (LoRA) factor added to a frozen weight
     MTP = "mtp"  # a multi-token-prediction layer's parameter: kept from the files, outside the causal LM's loss

@@ -12,10 +12,12 @@ registry                 config field                        an item is
 =======================  ==================================  =================================================
 ``ATTENTION_KINDS``      ``layers[i].attention``             a module class (``eqmoe.nn.kinds.AttentionKind``)
 ``FFN_KINDS``            ``layers[i].ffn``                   a module class (``eqmoe.nn.kinds.FFNKind``)
-``ATTENTION_BACKENDS``   ``attention.backend`` (+ ``auto``)  ``backend(q, k, v, mask, *, scale, block_size, window)``
+``ATTENTION_BACKENDS``   ``attention.backend`` (+ ``auto``)  ``backend(q, k, v, mask, *, scale, block_size, window,
+                                                             sinks)``
 ``NORM_PLACEMENTS``      ``norm.ffn_placement``              ``eqmoe.nn.block.Placement``
 ``ROUTER_STRATEGIES``    ``moe.router.strategy``             ``eqmoe.nn.router.Strategy``
 ``DISPATCH_BACKENDS``    ``moe.dispatch`` (+ ``auto``)       ``eqmoe.nn.dispatch.Backend``
+``FFN_ACTIVATIONS``      ``moe.activation``                  ``activation(gate, up, moe_config) -> hidden``
 ``LOAD_BALANCE``         ``loss.load_balance``               a function of ``RouterStats`` to a scalar
 =======================  ==================================  =================================================
 
@@ -35,6 +37,7 @@ ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend")
 NORM_PLACEMENTS: Registry[Any] = Registry("FFN norm placement")
 ROUTER_STRATEGIES: Registry[Any] = Registry("router strategy")
 DISPATCH_BACKENDS: Registry[Any] = Registry("dispatch backend")
+FFN_ACTIVATIONS: Registry[Any] = Registry("FFN activation")
 LOAD_BALANCE: Registry[Any] = Registry("load-balance form")
 
 
@@ -57,6 +60,7 @@ def check_names(config: Any) -> None:
     if config.moe is not None:
         router = config.moe.router
         ROUTER_STRATEGIES.check("RouterConfig", "strategy", router.strategy)
+        FFN_ACTIVATIONS.check("MoEConfig", "activation", config.moe.activation)
         _item_check(ROUTER_STRATEGIES.get(router.strategy), router)
         DISPATCH_BACKENDS.check("MoEConfig", "dispatch", config.moe.dispatch, extra=("auto",))
         if config.moe.dispatch != "auto":

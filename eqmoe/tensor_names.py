@@ -14,7 +14,10 @@ class TensorName:
     ``flat`` marks a vector the model holds with more axes (a ``[heads, head_dim]`` bias of a flat
     ``[heads * head_dim]`` projection). ``duplicate`` marks a second copy of a tensor another name already loads
     (DeepSeek-V3's multi-token-prediction layer repeats the embedding and the output head): exports write it, and
-    loading checks it equals the first instead of reading it.
+    loading checks it equals the first instead of reading it. ``columns`` ``(start, step)`` marks one of several
+    leaves that share a tensor along its last axis: the leaf's slice is ``tensor[..., start::step]`` (gpt-oss's fused
+    ``gate_up_proj``: the gate at columns ``0::2``, up at ``1::2``), and the tensor is written whole once every part
+    of it is at hand.
     """
 
     key: str
@@ -23,10 +26,13 @@ class TensorName:
     linear_in_dims: int = 0
     flat: bool = False
     duplicate: bool = False
+    columns: tuple[int, int] | None = None
 
     def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""
         piece = leaf_shape[len(self.index) :]
+        if self.columns is not None:
+            return (*piece[:-1], piece[-1] * self.columns[1])
         if self.flat:
             return (math.prod(piece),)
         if self.linear_in_dims:

@@ -125,6 +125,9 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
 
 
 def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
+    if name.columns is not None:
+        start, step = name.columns
+        return tensor[..., start::step]
     if name.flat:
         return tensor.reshape(piece)
     return tensor.T.reshape(piece) if name.linear_in_dims else tensor
@@ -146,11 +149,22 @@ def _get(tree, path: tuple[str | int, ...]):
 
 def iter_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
     """``(checkpoint name, tensor)`` for every parameter, one tensor at a time: only that tensor's slice
-    of a stacked leaf is copied to the host."""
+    of a stacked leaf is copied to the host (a tensor several leaves share, once all its parts are read)."""
+    parts: dict[str, dict[int, np.ndarray]] = {}
     for name in _checkpoint_names(model.config):
         held = _get(model, name.path)[name.index]
         held = held.dequantize() if is_block_fp8(held) else held  # a block-FP8 weight's float32 dequantization
-        yield name.key, _to_checkpoint_layout(name, np.asarray(held))
+        tensor = _to_checkpoint_layout(name, np.asarray(held))
+        if name.columns is None:
+            yield name.key, tensor
+            continue
+        start, step = name.columns
+        parts.setdefault(name.key, {})[start] = tensor
+        if len(parts[name.key]) == step:
+            whole = np.empty((*tensor.shape[:-1], tensor.shape[-1] * step), tensor.dtype)
+            for first, part in parts.pop(name.key).items():
+                whole[..., first::step] = part
+            yield name.key, whole
 
 
 def state_dict(model: Transformer) -> dict[str, np.ndarray]:
@@ -216,9 +230,10 @@ def load(
 
     Reads ``config.json`` and ``model.safetensors`` or the shards of ``model.safetensors.index.json``;
     needs no torch. Missing, unexpected and mis-shaped tensors are all reported in one ``ValueError``.
-    Block-FP8 files (DeepSeek-V3's layout) are dequantized tensor by tensor (:mod:`eqmoe.checkpoints.quantized`);
-    any other ``quantization_config`` is refused. With ``keep_fp8`` their linear weights stay as stored instead, one
-    byte per parameter plus a float32 scale per block (:class:`eqmoe.nn.fp8.BlockFP8Weight`, dequantized inside
+    Block-FP8 files (DeepSeek-V3's layout) and MXFP4 experts (gpt-oss's) are dequantized tensor by tensor
+    (:mod:`eqmoe.checkpoints.quantized`, :mod:`eqmoe.checkpoints.mxfp4`); any other ``quantization_config`` is
+    refused. With ``keep_fp8`` block-FP8 linear weights stay as stored instead, one byte per parameter plus a float32
+    scale per block (:class:`eqmoe.nn.fp8.BlockFP8Weight`, dequantized inside
     each product: the frozen base of a LoRA run; :func:`eqmoe.checkpoints.quantized.hold_fp8` says which weights).
     Without ``parallelism`` each parameter is assembled on the host and put on the default device, one at a
     time. With it, each parameter goes straight to the sharding its logical axes give it
@@ -360,7 +375,7 @@ def save(
             shards.append(list(pending))
             pending.clear()
 
-        names = len(_checkpoint_names(model.config))
+        names = len({name.key for name in _checkpoint_names(model.config)})
         for key, tensor in phase_bar(iter_tensors(model), f"writing {folder.name}", total=names, unit="tensor"):
             tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
             if pending and pending_bytes + tensor.nbytes > limit:

@@ -10,8 +10,11 @@ not an ``nn.Linear`` in transformers. transformers holds a layer's experts fused
 and PEFT keeps one adapter per expert inside one pair of matrices (``lora_A [experts * r, in]``, row
 ``e * r + k``; ``lora_B [out, r * experts]``, column ``k * experts + e``). eqmoe's separate gate and up
 adapters become one adapter of rank ``2r`` on the fused matrix (the two stacked, block-diagonal in ``B``), the
-same update exactly; ``rank_pattern``/``alpha_pattern`` keep its scale ``alpha / r``. PEFT nests the wrappers
-of two parameters of one module: the first parameter (``gate_up_proj``) sits under ``base_layer``.
+same update exactly; ``rank_pattern``/``alpha_pattern`` keep its scale ``alpha / r``. A family whose files hold the
+experts fused already (gpt-oss: ``gate_up_proj [experts, embed, 2 * expert_dim]``, gate and up interleaved, whose
+:class:`~eqmoe.tensor_names.TensorName` carries ``columns``) puts each side's ``B`` on the columns its name says.
+PEFT nests the wrappers of two parameters of one module: the first parameter (``gate_up_proj``) sits under
+``base_layer``.
 """
 
 import json
@@ -26,7 +29,7 @@ from safetensors.numpy import save_file
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.hf import _checkpoint_names, _get
 from eqmoe.model import Transformer
-from eqmoe.nn.linear import Linear
+from eqmoe.nn.linear import ExpertLinear, Linear
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -40,18 +43,26 @@ def _factors(a: np.ndarray, b: np.ndarray, in_dims: int) -> tuple[np.ndarray, np
     return a.reshape(-1, rank).T, b.reshape(rank, -1).T
 
 
-def _expert_factors(pieces: list[tuple[np.ndarray, np.ndarray, int, int]], out: int) -> tuple[np.ndarray, np.ndarray]:
-    """PEFT's per-expert factors of one fused parameter from eqmoe's ``(a [E, in, r], b [E, r, rows], first
-    output row, rows)`` pieces: ranks stacked, each piece's ``B`` on its own output rows."""
+def _expert_factors(pieces: list[tuple[np.ndarray, np.ndarray, slice]], out: int) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's per-expert factors of one fused parameter from eqmoe's ``(a [E, in, r], b [E, r, rows], the output
+    rows they fill)`` pieces: ranks stacked, each piece's ``B`` on its own output rows."""
     experts = pieces[0][0].shape[0]
-    rank = sum(a.shape[-1] for a, _, _, _ in pieces)
-    lora_a = np.concatenate([np.swapaxes(a, 1, 2) for a, _, _, _ in pieces], axis=1)  # [E, R, in]
+    rank = sum(a.shape[-1] for a, _, _ in pieces)
+    lora_a = np.concatenate([np.swapaxes(a, 1, 2) for a, _, _ in pieces], axis=1)  # [E, R, in]
     lora_b = np.zeros((experts, rank, out), pieces[0][1].dtype)  # [E, R, out]
     k = 0
-    for a, b, first, rows in pieces:
-        lora_b[:, k : k + a.shape[-1], first : first + rows] = b
+    for a, b, rows in pieces:
+        lora_b[:, k : k + a.shape[-1], rows] = b
         k += a.shape[-1]
     return lora_a.reshape(experts * rank, -1), np.transpose(lora_b, (2, 1, 0)).reshape(out, rank * experts)
+
+
+def _rows(columns: tuple[int, int] | None, side: int, width: int) -> slice:
+    """The fused parameter's output rows of gate (``side`` 0) or up (1): interleaved where the family's name says
+    ``columns``, else transformers' concatenation, gate first."""
+    if columns is not None:
+        return slice(columns[0], None, columns[1])
+    return slice(side * width, (side + 1) * width)
 
 
 def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
@@ -71,7 +82,7 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         a, b = adapter.a, adapter.b
         rank, scale, dropout = adapter.rank, adapter.scale, max(dropout, adapter.dropout)
         part = _get(model, name.path[:-2])
-        if len(name.index) == 1:  # one matrix per layer
+        if not isinstance(linear, ExpertLinear):  # one matrix per layer
             module = name.key.removesuffix(".weight")
             lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
             tensors[f"{_PREFIX}{module}.lora_A.weight"] = lora_a
@@ -80,20 +91,23 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
                 modules.add(module.rsplit(".", 1)[-1])
             else:  # PEFT renames listed gate/up/down_proj modules of MoE models to fused-expert targets
                 parameters.add(".".join(module.split(".")[-2:]) + ".weight")
-        elif name.index[1] == 0:  # routed experts: the whole stack at the first expert's name
+        elif len(name.index) == 1 or name.index[1] == 0:  # routed experts: the stack at its first (or only) name
             module = name.key.split(".experts.")[0] + ".experts"
             slot = experts.setdefault((module, name.path[:-2], name.index[0]), {})
-            slot[name.path[-2] + "_"] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]))
+            slot[name.path[-2] + "_"] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]), name.columns)
     for (module, _, _), members in experts.items():
         fused = [(m, i) for i, m in enumerate(("gate_", "up_")) if m in members]
         wrapped = []
         if fused:
             expert_dim = members[fused[0][0]][1].shape[-1]
-            pieces = [(*members[m], i * expert_dim, expert_dim) for m, i in fused]
+            pieces = []
+            for member, side in fused:
+                a, b, columns = members[member]
+                pieces.append((a, b, _rows(columns, side, expert_dim)))
             wrapped.append(("gate_up_proj", _expert_factors(pieces, 2 * expert_dim)))
         if "down_" in members:
-            a, b = members["down_"]
-            wrapped.append(("down_proj", _expert_factors([(a, b, 0, b.shape[-1])], b.shape[-1])))
+            a, b, _ = members["down_"]
+            wrapped.append(("down_proj", _expert_factors([(a, b, slice(None))], b.shape[-1])))
         for depth, (parameter, (lora_a, lora_b)) in enumerate(wrapped):
             nesting = ".base_layer" * (len(wrapped) - 1 - depth)
             tensors[f"{_PREFIX}{module}{nesting}.lora_A.weight"] = lora_a

@@ -5,6 +5,7 @@ from eqmoe.models import (  # noqa: F401 (each registers its family)
     deepseek_v3,
     envy,
     glm4_moe,
+    gpt_oss,
     mixtral,
     olmoe,
     qwen2_moe,

@@ -1,6 +1,7 @@
-"""The routed experts of a MoE layer: stacked SwiGLU matrices that carry their own biases and adapters.
+"""The routed experts of a MoE layer: stacked gated-unit matrices that carry their own biases and adapters.
 
-``expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))``, each of ``gate``, ``up``, ``down`` an
+``expert_e(x) = down_e(act(gate_e(x), up_e(x)))`` with ``act`` the configured unit (:mod:`eqmoe.nn.activations`;
+``silu(gate) * up`` by default), each of ``gate``, ``up``, ``down`` an
 :class:`~eqmoe.nn.linear.ExpertLinear`. The dispatch backends (:mod:`eqmoe.nn.dispatch`) decide which rows meet
 which expert and call :meth:`RoutedExperts.apply` with the products of their layout; the grouped kernel
 (:mod:`eqmoe.nn.grouped`) runs one expert at a time through :meth:`RoutedExperts.fused`. None of them knows
@@ -16,26 +17,37 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqmoe.nn._init import Init
+from eqmoe.nn.activations import SWIGLU, ExpertActivation
 from eqmoe.nn.linear import ExpertLinear, Linear, LowRank
-from eqmoe.nn.mlp import silu
 from eqmoe.params import Layer, Role
 
 Product = Callable[[ExpertLinear, Array], Array]
 
 
 class RoutedExperts(Layer):
-    """``num_experts`` SwiGLU experts stored as stacked matrices (``[experts, embed, expert_mlp]`` in,
-    ``[experts, expert_mlp, embed]`` out)."""
+    """``num_experts`` gated experts stored as stacked matrices (``[experts, embed, expert_mlp]`` in,
+    ``[experts, expert_mlp, embed]`` out), with biases when ``bias`` (gpt-oss) and the unit ``activation``."""
 
     adapter_group: ClassVar[str] = "experts"
 
     gate: ExpertLinear
     up: ExpertLinear
     down: ExpertLinear
+    activation: ExpertActivation = eqx.field(static=True)
 
-    def __init__(self, num_experts: int, embed_dim: int, expert_dim: int, *, init: Init, key: PRNGKeyArray):
+    def __init__(
+        self,
+        num_experts: int,
+        embed_dim: int,
+        expert_dim: int,
+        *,
+        init: Init,
+        key: PRNGKeyArray,
+        bias: bool = False,
+        activation: ExpertActivation = SWIGLU,
+    ):
         k_gate, k_up, k_down = jax.random.split(key, 3)
-        into = dict(role=Role.EXPERT, in_axes=("embed",), out_axes=("expert_mlp",), init=init)
+        into = dict(role=Role.EXPERT, in_axes=("embed",), out_axes=("expert_mlp",), init=init, bias=bias)
         self.gate = ExpertLinear(num_experts, (embed_dim,), (expert_dim,), key=k_gate, **into)
         self.up = ExpertLinear(num_experts, (embed_dim,), (expert_dim,), key=k_up, **into)
         self.down = ExpertLinear(
@@ -47,7 +59,9 @@ class RoutedExperts(Layer):
             out_axes=("embed",),
             init=init,
             key=k_down,
+            bias=bias,
         )
+        self.activation = activation
 
     @property
     def num_experts(self) -> int:
@@ -56,11 +70,6 @@ class RoutedExperts(Layer):
     @property
     def expert_dim(self) -> int:
         return self.gate.weight.shape[-1]
-
-    @staticmethod
-    def activation(gate: Float[Array, "*rows width"], up: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
-        """The gated unit between the two halves: ``silu(gate) * up``."""
-        return silu(gate) * up
 
     def apply(self, x: Array, into: Product, out_of: Product) -> Array:
         """The experts on ``x`` with a backend's products: ``into(w, x)`` for the input side (``gate``, ``up``),
@@ -71,7 +80,7 @@ class RoutedExperts(Layer):
         """One expert (a slice of the stack, taken inside a scan over experts) with ``gate`` and ``up`` as one
         ``[embed, 2 * expert_dim]`` product, so rows go through one matmul on each side; differentiable, so a
         kernel maps gradients of the fused expert back with ``jax.vjp``."""
-        return FusedExpert(_concatenate(self.gate, self.up), self.down)
+        return FusedExpert(_concatenate(self.gate, self.up), self.down, self.activation)
 
 
 class FusedExpert(eqx.Module):
@@ -80,13 +89,14 @@ class FusedExpert(eqx.Module):
 
     gate_up: Linear
     down: Linear
+    activation: ExpertActivation = eqx.field(static=True)
 
     def pre_activations(self, x: Float[Array, "rows embed"]) -> Float[Array, "rows gate_up"]:
         return self.gate_up(x)
 
     def output(self, pre: Float[Array, "rows gate_up"]) -> Float[Array, "rows embed"]:
         width = pre.shape[-1] // 2
-        return self.down(RoutedExperts.activation(pre[:, :width], pre[:, width:]))
+        return self.down(self.activation(pre[:, :width], pre[:, width:]))
 
 
 def _concatenate(gate: Linear, up: Linear) -> Linear:

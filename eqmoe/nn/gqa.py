@@ -10,12 +10,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqmoe.config import AttentionConfig, LayerKind, ModelConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn.attention_backends import attend, scale_once
-from eqmoe.nn.context import Context
+from eqmoe.nn.context import AttentionMask, Context
 from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape
 from eqmoe.nn.linear import Linear
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope, rope_tables
-from eqmoe.params import Role
+from eqmoe.params import Role, param
 from eqmoe.registries import ATTENTION_KINDS
 from eqmoe.tensor_names import TensorName, linear_names
 
@@ -24,7 +24,9 @@ class LayerCache(NamedTuple):
     """Keys and values of one grouped-query attention layer for cached decoding, in the compute dtype.
 
     Slot ``t`` of ``max_len`` holds the token written at step ``t`` (the cache's write index, not the RoPE
-    position). In a scanned segment every leaf carries a leading ``repeats`` axis, stacked like the parameters.
+    position). A sliding layer with ``AttentionConfig.sliding_cache="ring"`` keeps ``window`` slots instead, slot
+    ``t % window`` holding step ``t``: no query of it looks further back. In a scanned segment every leaf carries a
+    leading ``repeats`` axis, stacked like the parameters.
     """
 
     keys: Float[Array, "*repeats batch kv_heads max_len head_dim"]
@@ -45,7 +47,8 @@ class GroupedQueryAttention(AttentionKind):
     AXLearn Envy (``qk_norm="after_rope"``): ``q = RMSNorm(RoPE(q)) * head_dim^-0.5``,
     ``k = RMSNorm(RoPE(k))``, scores unscaled. With ``AttentionConfig.bias`` the projections carry biases; the
     norms and ``clip_qkv`` follow them, as in transformers' OLMoE. A sliding layer (``LayerKind.window``) sees
-    only its window of keys. The scores are computed by ``AttentionConfig.backend``.
+    only its window of keys. With ``AttentionConfig.sinks`` each query head has a learned logit that joins its
+    softmax (gpt-oss, ``sinks``). The scores are computed by ``AttentionConfig.backend``.
     """
 
     q: Linear
@@ -54,6 +57,7 @@ class GroupedQueryAttention(AttentionKind):
     o: Linear
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    sinks: Float[Array, " heads"] | None = param(Role.SINK)
     config: AttentionConfig = eqx.field(static=True)
     window: int | None = eqx.field(static=True)
 
@@ -81,6 +85,8 @@ class GroupedQueryAttention(AttentionKind):
         with_norm = attention.qk_norm != "none"
         self.q_norm = RMSNorm(heads * head_dim if whole else head_dim, **norm) if with_norm else None
         self.k_norm = RMSNorm(kv_heads * head_dim if whole else head_dim, **norm) if with_norm else None
+        sink_key = jax.random.fold_in(key, 1)  # drawn aside: a model without sinks initialises as before
+        self.sinks = init.weight(sink_key, (heads,), fan_in=head_dim) if attention.sinks else None
         self.config = attention
         self.window = layer.window
 
@@ -124,7 +130,10 @@ class GroupedQueryAttention(AttentionKind):
         the queries attend to every slot under ``context.mask``."""
         keys = None if key is None else [jax.random.fold_in(key, i) for i in range(4)]
         q, k, v = self._project(x, context.positions, keys)
-        if cache is not None:
+        mask = context.mask
+        if cache is not None and cache.keys.shape[-2] < mask.key_index.shape[0]:
+            k, v, mask, cache = _ring(cache, k, v, mask)
+        elif cache is not None:
             start = (0, 0, context.cache_index, 0)
             cache = LayerCache(
                 jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), start),
@@ -132,15 +141,20 @@ class GroupedQueryAttention(AttentionKind):
             )
             k, v = cache.keys.astype(q.dtype), cache.values.astype(q.dtype)
         scale = 1.0 if self.config.qk_norm == "after_rope" else q.shape[-1] ** -0.5
-        out = attend(self.config, q, k, v, context.mask, scale=scale, window=self.window)
+        sinks = None if self.sinks is None else self.sinks.astype(jnp.float32).reshape(k.shape[1], -1)
+        out = attend(self.config, q, k, v, mask, scale=scale, window=self.window, sinks=sinks)
         batch, _, _, seq, _ = q.shape
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
         return self.o(out, None if keys is None else keys[3]).reshape(batch, seq, -1), cache
 
     @classmethod
     def init_cache(cls, config: ModelConfig, layer: LayerKind, batch: int, max_len: int, dtype) -> LayerCache:
+        """``max_len`` slots, or a ring of ``window`` slots for a sliding layer (``sliding_cache="ring"``)."""
         attention = config.attention
-        shape = (batch, attention.num_kv_heads, max_len, attention.head_dim)
+        slots = max_len
+        if layer.window is not None and attention.sliding_cache == "ring":
+            slots = min(max_len, layer.window)
+        shape = (batch, attention.num_kv_heads, slots, attention.head_dim)
         return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @classmethod
@@ -160,14 +174,18 @@ class GroupedQueryAttention(AttentionKind):
         )
         kept = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 4 * heads
         keys = shape.seq if layer.window is None else min(shape.seq, layer.window)
+        # a ring keeps the window's keys whatever the length: per token of a max_len cache, window / max_len of them
+        cached = c * 2 * kv * hd
+        if layer.window is not None and attention.sliding_cache == "ring":
+            cached *= min(1.0, layer.window / shape.seq)
         blockwise = attention.backend != "dense"
         if not blockwise:
-            return Cost(kept + 10 * heads * shape.seq, flops=12 * heads * hd * keys, cache=c * 2 * kv * hd)
+            return Cost(kept + 10 * heads * shape.seq, flops=12 * heads * hd * keys, cache=cached)
         tile = min(attention.block_size, shape.seq)
         blocks = -(-shape.seq // tile)
         visible = (blocks + 1) / (2 * blocks) if layer.window is None else min(1.0, (keys + tile) / shape.seq)
         per_step = shape.tokens * 4 * heads * hd + 4 * shape.rows * heads * tile * tile
-        return Cost(kept, per_step, flops=14 * heads * hd * shape.seq * visible, cache=c * 2 * kv * hd)
+        return Cost(kept, per_step, flops=14 * heads * hd * shape.seq * visible, cache=cached)
 
     @classmethod
     def checkpoint_names(
@@ -183,4 +201,37 @@ class GroupedQueryAttention(AttentionKind):
         if config.attention.qk_norm != "none":
             for norm in ("q_norm", "k_norm"):
                 names.append(TensorName(prefix + f"{norm}.weight", (*path, norm, "weight"), index))
+        if config.attention.sinks:
+            names.append(TensorName(prefix + "sinks", (*path, "sinks"), index))
         return names
+
+
+def _ring(cache: LayerCache, k: Array, v: Array, mask: AttentionMask) -> tuple[Array, Array, AttentionMask, LayerCache]:
+    """Keys, values and mask of a sliding layer's step over its ring of ``W`` slots, and the ring after the step.
+
+    The new tokens attend to the ring as it was (slot ``s`` holds the latest step ``t < index`` with ``t % W == s``)
+    followed by themselves, so a prefill longer than the window still sees every key its window reaches; the mask
+    (the step's own, read at those steps) applies the window. Then the last ``min(seq, W)`` new tokens are written to
+    slots ``t % W``."""
+    slots, seq = cache.keys.shape[-2], k.shape[-2]
+    first = mask.query_index[0]  # the cache index: the step of the first new token
+    held = first - 1 - jnp.mod(first - 1 - jnp.arange(slots, dtype=jnp.int32), slots)
+    key_index = jnp.concatenate([held, mask.query_index])
+    written = jnp.concatenate(
+        [
+            jnp.take(mask.key_valid, jnp.maximum(held, 0), axis=1) & (held >= 0)[None],
+            jax.lax.dynamic_slice_in_dim(mask.key_valid, first, seq, axis=1),
+        ],
+        axis=1,
+    )
+    zeros = jnp.zeros_like(written, jnp.int32)
+    ring_mask = AttentionMask(mask.query_index, key_index, mask.query_segment, zeros, written)
+    keys = jnp.concatenate([cache.keys.astype(k.dtype), k], axis=2)
+    values = jnp.concatenate([cache.values.astype(v.dtype), v], axis=2)
+    kept = min(seq, slots)
+    targets = jnp.mod(mask.query_index[seq - kept :], slots)
+    ring = LayerCache(
+        cache.keys.at[:, :, targets].set(k[:, :, seq - kept :].astype(cache.keys.dtype)),
+        cache.values.at[:, :, targets].set(v[:, :, seq - kept :].astype(cache.values.dtype)),
+    )
+    return keys, values, ring_mask, ring

@@ -11,6 +11,7 @@ from eqmoe import parallel
 from eqmoe.config import LayerKind, ModelConfig, MoEConfig
 from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
+from eqmoe.nn.activations import ExpertActivation
 from eqmoe.nn.context import Context
 from eqmoe.nn.expert_parallel import expert_parallel
 from eqmoe.nn.experts import RoutedExperts
@@ -61,7 +62,15 @@ class MoE(FFNKind):
         # the shared experts' keys are drawn aside, so a model without them initialises as it always has
         k_shared, k_gate = jax.random.split(jax.random.fold_in(key, 1))
         self.router = Router(embed_dim, config.router, init=init, key=k_router)
-        self.experts = RoutedExperts(config.router.num_experts, embed_dim, config.expert_dim, init=init, key=k_experts)
+        self.experts = RoutedExperts(
+            config.router.num_experts,
+            embed_dim,
+            config.expert_dim,
+            init=init,
+            key=k_experts,
+            bias=config.expert_bias,
+            activation=ExpertActivation.of(config),
+        )
         shared = config.shared_width
         self.shared_expert = SwiGLU(embed_dim, shared, init=init, key=k_shared) if shared else None
         gated = shared and config.shared_expert_gate

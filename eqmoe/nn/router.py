@@ -246,8 +246,8 @@ def capacity_positions(
 
 
 class Router(Layer):
-    """A linear gate ``logits = gate(x)`` followed by the configured strategy and optional capacity
-    (per group of ``RouterConfig.num_groups``, from the group's real tokens: :func:`group_capacity`).
+    """A linear gate ``logits = gate(x)`` (with a bias under ``gate_bias``) followed by the configured strategy and
+    optional capacity (per group of ``RouterConfig.num_groups``, from the group's real tokens: :func:`group_capacity`).
 
     ``bias`` is the aux-loss-free selection bias (float32, zeros at init) when
     ``config.bias_update_rate > 0``, else ``None``. It is state, not a trained parameter: the optimizer
@@ -270,6 +270,7 @@ class Router(Layer):
             out_axes=("gates",),
             init=init,
             key=key,
+            bias=config.gate_bias,
         )
         self.bias = jnp.zeros(config.num_experts, jnp.float32) if config.bias_update_rate > 0 else None
         self.config = config
