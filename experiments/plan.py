@@ -4,6 +4,7 @@
         --dtype bfloat16
     python -m experiments.plan --preset qwen3-moe-tiny --meshes data=1 --remats none block      # table over remat
     python -m experiments.plan --preset envy-switch-base --meshes data=8 fsdp=8 data=2,expert=4 --json
+    python -m experiments.plan --preset gpt-oss-120b --lora-rank 16 --dtype bfloat16 --device-gib 80  # fits?
 
 The train step is lowered and compiled by XLA on abstract inputs (``jax.ShapeDtypeStruct`` with the mesh's
 shardings, on simulated CPU devices; nothing of the model's size is allocated), and its compiled memory
@@ -43,6 +44,8 @@ class Args(PresetOptions, ShapeOptions, DtypeOption, DispatchOption, LoRAOptions
     """Parameter roles left untrained, e.g. router embedding (no gradients or optimizer state)."""
     compile: bool = True
     """Compile with XLA (off: the analytic estimate only)."""
+    device_gib: float | None = None
+    """Memory of one device in GiB (e.g. 80): each row then says whether its peak fits, analytic and compiled."""
 
 
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's published weight_block_size, for --fp8-base
@@ -108,6 +111,14 @@ def plan(args: Args) -> list[dict]:
                     record["compiled"] = compiled._asdict()
                 except Exception as error:  # a compiler failure is a result here, reported beside the estimate
                     record["compile_error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            if args.device_gib is not None:
+                limit, analytic, compiled = args.device_gib * 2**30, record["analytic"], record["compiled"]
+                peak = None if compiled is None else compiled["argument"] + compiled["temp"]
+                record["fits"] = {
+                    "device_gib": args.device_gib,
+                    "analytic": analytic["argument"] + analytic["temp"] <= limit,
+                    "compiled": None if peak is None else peak <= limit,
+                }
             rows.append(record)
     return rows
 
@@ -128,6 +139,15 @@ def _frozen(args: Args, frozen: dict) -> str | None:
         f"{'':<29}frozen: {count:,} parameters in {size / 2**30:,.3f} GiB over the whole model "
         f"({size / count:.3f} bytes/parameter: {held})"
     )
+
+
+def _fits(device_gib: float, peak: float, compiled_peak: float | None) -> str:
+    """Whether a step's peak bytes fit one device of ``device_gib`` GiB, by each estimate."""
+    verdict = lambda value: "yes" if value <= device_gib * 2**30 else "no"  # noqa: E731
+    line = f"fits in {device_gib:g} GiB per device: analytic {verdict(peak)} ({_gib(peak)} GiB)"
+    if compiled_peak is not None:
+        line += f", XLA compiled {verdict(compiled_peak)} ({_gib(compiled_peak)} GiB)"
+    return line
 
 
 def table(args: Args, rows: list[dict]) -> str:
@@ -161,6 +181,8 @@ def table(args: Args, rows: list[dict]) -> str:
         lines.append(line)
         if (frozen := _frozen(args, row["frozen"])) is not None:
             lines.append(frozen)
+        if args.device_gib is not None:
+            lines.append(f"{'':<29}{_fits(args.device_gib, peak, compiled_peak)}")
         if row["compile_error"]:
             lines.append(f"{'':<29}XLA could not compile this here ({row['compile_error']}); analytic only")
     return "\n".join(lines)

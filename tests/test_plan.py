@@ -1,5 +1,6 @@
 """Planning: the analytic memory estimate against XLA's compiled figures, remat's direction, the CLI."""
 
+import dataclasses
 import json
 
 import pytest
@@ -64,3 +65,17 @@ def test_train_step_memory_is_linear_in_sequence_length():
     short, long = (plan.compile_step(config, p, 1, seq) for seq in (2048, 8192))
     assert long.temp <= 4.5 * short.temp, (short.temp, long.temp)
     assert plan.estimate(config, p, 1, 8192).temp == pytest.approx(long.temp, rel=0.15)
+
+
+def test_plan_says_whether_a_step_fits_one_device(capsys):
+    """gpt-oss-120b with LoRA, its frozen base held in bfloat16 (217.6 GiB): no 80 GiB device holds it; the micro
+    preset fits."""
+    args = plan_cli.Args(
+        preset="gpt-oss-120b", lora_rank=16, dtype="bfloat16", seq_len=256, batch_size=1, compile=False
+    )
+    assert plan_cli.main(dataclasses.replace(args, device_gib=80.0)) == 0
+    out = capsys.readouterr().out
+    assert "fits in 80 GiB per device: analytic no (" in out, out
+    assert plan_cli.main(dataclasses.replace(args, preset="qwen3-moe-micro", device_gib=80.0, json=True)) == 0
+    fits = json.loads(capsys.readouterr().out)[0]["fits"]
+    assert fits == {"device_gib": 80.0, "analytic": True, "compiled": None}
