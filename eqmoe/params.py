@@ -68,6 +68,14 @@ class ParamInfo:
     role: Role | None
     axes: tuple[str | None, ...]
 
+    @property
+    def routed(self) -> bool:
+        """Part of the routed experts (only ``top_k`` of ``num_experts`` are active per token): their matrices, and
+        the biases stacked over their ``experts`` axis (gpt-oss)."""
+        if self.role is None:
+            return False
+        return self.role.routed or (self.role is Role.BIAS and "experts" in self.axes)
+
 
 def _array_dims(annotation: Any) -> tuple[str, ...] | None:
     """The dimension names of a jaxtyping annotation (``X | None`` included), or ``None`` if it has none."""

@@ -236,15 +236,19 @@ def test_published_config_reads_as_the_preset_listing_what_transformers_ignores(
 
 
 @pytest.mark.parametrize(
-    ("preset", "changes", "parameters"),
-    [("gpt-oss-20b", {}, 20_914_757_184), ("gpt-oss-120b", GPT_OSS_120B, 116_829_156_672)],
+    ("preset", "changes", "parameters", "active"),
+    [("gpt-oss-20b", {}, 20_914_757_184, 3.61e9), ("gpt-oss-120b", GPT_OSS_120B, 116_829_156_672, 5.13e9)],
 )
-def test_published_parameter_count_equals_transformers(capsys, tmp_path, preset, changes, parameters):
+def test_published_parameter_count_equals_transformers(capsys, tmp_path, preset, changes, parameters, active):
+    """The total equals transformers' meta-device count; the active count without the embedding is the model card's
+    (3.61B and 5.13B: 4 of the experts' matrices and biases)."""
     report = shared.param_report(preset, capsys)
     folder = shared.write_config(tmp_path / preset, _published(**changes))
     reference = transformers.GptOssConfig.from_pretrained(folder)
     assert shared.parameter_count(GPT_OSS.on_meta(reference)) == parameters
     assert report["total"] == parameters
+    embedding = reference.vocab_size * reference.hidden_size
+    assert abs(report["active"] - embedding - active) < 0.005e9, report["active"]
 
 
 def test_absent_rope_and_head_fields_take_transformers_defaults(tmp_path):

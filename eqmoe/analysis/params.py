@@ -31,7 +31,7 @@ def parameter_table(config: ModelConfig) -> list[ParamRow]:
     rows = []
     for (key_path, leaf), info in zip(jax.tree_util.tree_leaves_with_path(model), param_infos(model), strict=True):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".")
-        rows.append(ParamRow(path, tuple(leaf.shape), math.prod(leaf.shape), info.role.routed, info.role is Role.MTP))
+        rows.append(ParamRow(path, tuple(leaf.shape), math.prod(leaf.shape), info.routed, info.role is Role.MTP))
     return rows
 
 

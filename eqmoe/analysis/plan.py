@@ -257,7 +257,7 @@ def active_parameters(config: ModelConfig) -> tuple[int, int]:
     if config.moe is not None:
         router = config.moe.router
         infos = param_infos(model)
-        routed = sum(math.prod(x.shape) for x, info in zip(leaves, infos, strict=True) if info.role.routed)
+        routed = sum(math.prod(x.shape) for x, info in zip(leaves, infos, strict=True) if info.routed)
         active -= routed // router.num_experts * (router.num_experts - router.top_k)
     return total, active
 
