@@ -81,6 +81,12 @@ FAMILY_FIELDS = {
     "moe.router.bias_update_rate": 0.001,
     "moe.router.expert_groups": 4,
     "moe.router.expert_groups_kept": 2,
+    # gpt-oss's
+    "attention.sinks": True,
+    "moe.expert_bias": True,
+    "moe.router.gate_bias": True,
+    "moe.activation": "clamped_swiglu",
+    "moe.swiglu_limit": 1.0,
 }
 
 

@@ -11,7 +11,7 @@ and its own slice of the tokens. Each device
    choosing that device's experts; padding rows carry the id ``E/P`` and are skipped by the compute);
 3. runs its local experts on the rows it received (their ragged products over the rows sorted by expert,
    whatever biases or adapters the matrices carry), summing partial results over ``tensor`` when expert widths
-   are split there;
+   are split there (the output side's bias added once, after that sum);
 4. sends the outputs back with a second ``all_to_all`` and combines each token's ``k`` outputs with its
    routing weights.
 
@@ -19,6 +19,7 @@ Communication per MoE layer and device: ``2 * P * T*k * embed`` elements (send a
 the rows that carry tokens are ``2 * T*k * embed``. ``jax.lax.ragged_all_to_all`` would send only those.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -79,10 +80,16 @@ def expert_parallel(
         send_ids = jnp.full((devices, slots), local_experts, jnp.int32)
         send_ids = send_ids.at[destination, position].set(flat[order] - destination * local_experts)
         received = jax.lax.all_to_all(send, "expert", 0, 0)
-        received_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0)
-        out = _local_experts(received.reshape(-1, embed), received_ids.reshape(-1), experts)
+        received_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0).reshape(-1)
+        down_bias = experts.down.bias if width_axes else None
+        if down_bias is not None:  # every width shard would add it, and the sum count it once per shard
+            experts = eqx.tree_at(lambda e: e.down.bias, experts, None)
+        out = _local_experts(received.reshape(-1, embed), received_ids, experts)
         if width_axes:
             out = jax.lax.psum(out, width_axes)
+        if down_bias is not None:
+            bias = down_bias.reshape(local_experts, -1)[jnp.minimum(received_ids, local_experts - 1)]
+            out = out + jnp.where((received_ids < local_experts)[:, None], bias, 0).astype(out.dtype)
         returned = jax.lax.all_to_all(out.reshape(devices, slots, embed), "expert", 0, 0)
         slot_outputs = jnp.zeros((slots, embed), out.dtype).at[order].set(returned[destination, position])
         combined = jnp.einsum("tk,tkd->td", weights, slot_outputs.reshape(count, top_k, embed))
