@@ -13,8 +13,9 @@ trained on bytes.
 
 ``--chat`` (or ``--messages FILE``, a JSON list of messages or ``{"messages", "tools"}``) builds the prompt with
 the tokenizer's chat template and its generation prompt, as ``apply_chat_template(add_generation_prompt=True)``
-does, and stops on the template's end-of-turn token as well as the eos ids. Without it ``--prompt`` is plain
-text.
+does, and stops on the tokens the template ends a reply with as well as the eos ids (for gpt-oss's harmony
+format ``<|return|>`` and ``<|call|>``, not the ``<|end|>`` between its analysis and its final answer). Without it
+``--prompt`` is plain text.
 
 Prints the prompt and its continuation as one decoded text on stdout (``--json``: an object with the prompt
 ids, the new ids and the texts), and one line of timing on stderr. Greedy unless ``--temperature`` is above
@@ -105,6 +106,16 @@ def default_eos_ids(folder: Path) -> list[int]:
     return []
 
 
+def stop_ids(args: Args, folder: Path, tokenizer: HFTokenizer | ByteTokenizer) -> list[int]:
+    """The ids a row stops on: ``--eos-id`` or the folder's eos ids and, with a chat, every token the template
+    ends a reply with (``<|im_end|>``; harmony's ``<|return|>`` and ``<|call|>``, never its ``<|end|>``, which
+    closes the analysis before the final answer of the same reply)."""
+    eos_ids = [args.eos_id] if args.eos_id is not None else default_eos_ids(folder)
+    if _is_chat(args):
+        eos_ids = list(dict.fromkeys([*end_of_turn_ids(tokenizer), *eos_ids]))
+    return eos_ids
+
+
 def _conversation(args: Args) -> Conversation:
     if args.messages is not None:
         try:
@@ -139,9 +150,7 @@ def run(args: Args) -> dict:
         raise UsageError("the prompt is empty after tokenization")
     if max(ids) >= vocab:
         raise UsageError(f"the tokenizer produced id {max(ids)} but the model's vocabulary has {vocab} entries")
-    eos_ids = [args.eos_id] if args.eos_id is not None else default_eos_ids(folder)
-    if _is_chat(args):
-        eos_ids = list(dict.fromkeys([*end_of_turn_ids(tokenizer), *eos_ids]))
+    eos_ids = stop_ids(args, folder, tokenizer)
     for eos_id in eos_ids:
         if not 0 <= eos_id < vocab:
             raise UsageError(f"--eos-id {eos_id}: outside the vocabulary 0..{vocab - 1}")

@@ -3,11 +3,15 @@
     python -m experiments.inspect_data --tokenizer DIR --data chats.parquet
     python -m experiments.inspect_data --tokenizer DIR --data chats.jsonl --chat-template my.jinja --limit 3
     python -m experiments.inspect_data --data sharegpt.json --json > tokens.jsonl
+    python -m experiments.inspect_data --tokenizer openai/gpt-oss-20b --data chats.jsonl \\
+        --template-var reasoning_effort=high
 
 The human view prints the first ``--limit`` conversations with the trained text between ``[[`` and ``]]``
-(highlighted in a terminal), each conversation's token counts, and over the whole file: the layout, how many
-conversations there are and how many have no assistant turn, token and trained-token totals, and for
-``--seq-len`` how many conversations are longer (truncated by sft) and how the rest pack into rows.
+(highlighted in a terminal): every token of each reply after its generation prompt, up to its closing token, e.g.
+gpt-oss's analysis, tool call and final answer with the channel headers between them. Then each conversation's
+token counts, and over the whole file: the layout, the template and the ``--template-var`` values it rendered
+with, how many conversations there are and how many have no assistant turn, token and trained-token totals, and
+for ``--seq-len`` how many conversations are longer (truncated by sft) and how the rest pack into rows.
 
 ``--json`` prints one object per record, in input order: ``where`` (``file:line`` or ``file:row N``),
 ``ids``, ``loss_mask`` (0/1, as long as ``ids``) and ``trained`` (false for a record without an assistant
@@ -79,7 +83,8 @@ def run(args: Args) -> dict:
     records = _records(args, tokenizer)
     layout = next(records)
     color = sys.stdout.isatty()
-    stats = {"layout": layout, "template": tokenizer.chat_template.origin, "conversations": 0, "no_assistant": 0}
+    stats = {"layout": layout, "template": tokenizer.chat_template.origin, "template_vars": args.variables()}
+    stats.update(conversations=0, no_assistant=0)
     stats.update(tokens=0, trained_tokens=0, longer_than_seq_len=0)
     lengths = []
     for where, ids, mask, trained in records:
@@ -104,6 +109,11 @@ def run(args: Args) -> dict:
     return stats
 
 
+def _variables(variables: dict) -> str:
+    """`` with KEY=VALUE ...``: the --template-var values the template rendered with (values as JSON)."""
+    return " with " + " ".join(f"{key}={json.dumps(value)}" for key, value in variables.items()) if variables else ""
+
+
 def main(args: Args) -> int:
     stats = guarded("inspect_data", run, args)
     if stats is None:
@@ -112,7 +122,7 @@ def main(args: Args) -> int:
         print(f"inspect_data: {json.dumps(stats)}", file=sys.stderr)
         return 0
     print(
-        f"{args.data}: {stats['layout']} layout, template {stats['template']}\n"
+        f"{args.data}: {stats['layout']} layout, template {stats['template']}{_variables(stats['template_vars'])}\n"
         f"  {stats['conversations']} conversations ({stats['no_assistant']} without an assistant turn, skipped)\n"
         f"  {stats['tokens']:,} tokens, {stats['trained_tokens']:,} trained "
         f"({stats['trained_tokens'] / max(stats['tokens'], 1):.1%})"

@@ -135,7 +135,8 @@ class TokenizerOptions(TokenizerOption):
     """A Jinja chat template file (or a tokenizer_config.json) to render conversations with instead of the
     tokenizer's (or the one the run trained with)."""
     template_var: tuple[str, ...] = ()
-    """Template variables KEY=VALUE (VALUE read as JSON when it parses), e.g. enable_thinking=false."""
+    """Template variables KEY=VALUE (VALUE read as JSON when it parses), e.g. enable_thinking=false (Qwen3) or
+    reasoning_effort=high (gpt-oss)."""
 
     def variables(self) -> dict[str, object]:
         """``--template-var`` as a dict; a ``ValueError`` naming a malformed item."""

@@ -101,3 +101,47 @@ def write_chat_model_folder(folder: Path, template: str) -> Path:
     }
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return folder
+
+
+# gpt-oss's harmony format: its special tokens (o200k_harmony's, in id order) and the stop ids its
+# generation_config.json lists (<|return|>, <|endoftext|>, <|call|>: 200002, 199999, 200012 in the real vocabulary).
+HARMONY_SPECIAL = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+]
+HARMONY_STOPS = ["<|return|>", "<|endoftext|>", "<|call|>"]
+
+
+def write_harmony_tokenizer_folder(folder: Path, template: str) -> Path:
+    """A byte-level BPE folder laid out as openai/gpt-oss-20b's: harmony special tokens, ``chat_template.jinja``,
+    ``tokenizer_config.json`` naming ``<|return|>`` as eos, and ``generation_config.json``'s stop ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [json.dumps(TOOL_CHAT), template, "analysis commentary final functions assistant developer"] * 4
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=HARMONY_SPECIAL
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    stops = [tokenizer.token_to_id(token) for token in HARMONY_STOPS]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return folder

@@ -1,8 +1,8 @@
 """Conversations: their schema, their token ids under the tokenizer's chat template, and the loss mask.
 
-A conversation is a list of messages (roles ``system``, ``user``, ``assistant``, ``tool``; ``content`` a
-string or a list of ``{"type": "text", "text": ...}`` parts; an assistant's ``tool_calls`` and
-``reasoning_content``) and an optional list of ``tools`` (JSON schemas).
+A conversation is a list of messages (roles ``system``, ``developer``, ``user``, ``assistant``, ``tool``;
+``content`` a string or a list of ``{"type": "text", "text": ...}`` parts; an assistant's ``tool_calls`` and
+reasoning, as ``reasoning_content`` or ``thinking``) and an optional list of ``tools`` (JSON schemas).
 
 The ids are the tokens of the template's single render of the whole conversation, as transformers'
 ``apply_chat_template(tokenize=True)`` gives them. The loss mask comes from that same render: it is true on
@@ -11,28 +11,26 @@ everything else (system, user and tool turns, role headers, what the generation 
 
 - a template with ``{% generation %}`` tags marks those spans itself (transformers'
   ``return_assistant_tokens_mask``);
-- otherwise each assistant turn starts where the render of the conversation before it, followed by the
-  generation prompt, stops matching the whole render (the common-prefix rule), and ends with the first
-  end-of-turn token after that. When a template rewrites history (Qwen3 drops the reasoning of turns before
-  the last user message), the render before a turn is not a prefix of the whole render; the turn is then
-  found after the previous one by the generation prompt's header, so the mask covers exactly what the whole
-  render holds of each turn. A turn that cannot be found is an error saying why.
+- otherwise each assistant turn runs from the end of the generation prompt to the special token closing the
+  turn's last message, both found by rendering prefixes of the conversation (:mod:`eqmoe.data.turns`), so the
+  mask covers exactly what the whole render holds of each turn, also where the template rewrites history (Qwen3
+  and gpt-oss drop earlier reasoning). A turn that cannot be found is an error saying why.
 
 A token is trained when its characters overlap a trained span (transformers' rule).
 """
 
 import json
 from collections.abc import Mapping, Sequence
-from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
 from jaxtyping import Bool, Int32, Int64
 
-from eqmoe.data.template import TemplateError, check_no_marks
+from eqmoe.data.template import check_no_marks
 from eqmoe.data.tokenizer import Tokenizer
+from eqmoe.data.turns import end_of_turn_ids, turn_spans  # noqa: F401 (end_of_turn_ids: part of the chat API)
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: harmony's (gpt-oss) instructions
 
 
 class Conversation(NamedTuple):
@@ -108,9 +106,11 @@ def check_conversation(messages: object, tools: object = None, where: str = "mes
             _check_content(message["content"], f"{at}.content")
         elif "tool_calls" not in message:
             raise ValueError(f"{at}: missing 'content'")
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise ValueError(f"{at}.reasoning_content must be a string, got {type(reasoning).__name__}")
+        for key in ("reasoning_content", "thinking", "reasoning"):  # the names templates read reasoning under
+            if key in message:
+                if not isinstance(message[key], str):
+                    raise ValueError(f"{at}.{key} must be a string, got {type(message[key]).__name__}")
+                check_no_marks(message[key], f"{at}.{key}")
         checked.append(message)
     if isinstance(tools, str):
         try:
@@ -130,97 +130,6 @@ def as_conversation(value: object) -> Conversation:
 
 
 # --- rendering and the mask --------------------------------------------------------------------------
-
-
-@cache
-def _end_of_turn(tokenizer: Tokenizer) -> tuple[str, ...]:
-    """The special token(s) the template closes an assistant turn with, found by rendering a probe."""
-    probes = (
-        [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}],
-        [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": "ping"},
-            {"role": "assistant", "content": "pong"},
-        ],
-    )
-    for probe in probes:
-        try:
-            text = tokenizer.chat_template.render(probe).text
-        except TemplateError:
-            continue
-        after = text.rfind("pong") + len("pong")
-        ids, offsets = tokenizer.encode_with_offsets([text])[0]
-        for token, (start, _) in zip(ids.tolist(), offsets.tolist(), strict=True):
-            if start >= after and token in tokenizer.special_ids:
-                return (tokenizer.special_ids[token],)
-    eos = getattr(tokenizer, "special_tokens", {}).get("eos_token")
-    return (eos,) if eos else ()
-
-
-def end_of_turn_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The ids generation stops on: the template's end-of-turn token and the tokenizer's ``stop_ids``."""
-    ids = [tokenizer.token_to_id(token) for token in _end_of_turn(tokenizer)]
-    return tuple(dict.fromkeys([i for i in ids if i is not None] + list(tokenizer.stop_ids)))
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if a[:mid] == b[:mid] else (low, mid)
-    return low
-
-
-def _turn_spans(conversation: Conversation, tokenizer: Tokenizer, text: str) -> list[tuple[int, int]]:
-    """The common-prefix rule (see the module docstring): each assistant turn's ``[start, end)`` in ``text``."""
-    template, tools = tokenizer.chat_template, conversation.tools
-    ends = _end_of_turn(tokenizer)
-    if not ends:
-        raise ValueError(
-            f"{template.origin}: the template closes assistant turns with no special token, so its turns cannot be "
-            "found in the render; mark them with {% generation %} tags"
-        )
-    spans, cursor = [], 0
-    for i, message in enumerate(conversation.messages):
-        if message["role"] != "assistant":
-            continue
-        before = template.render(conversation.messages[:i], tools=tools).text
-        prompt = template.render(conversation.messages[:i], tools=tools, add_generation_prompt=True).text
-        if not prompt.startswith(before):
-            raise ValueError(f"message {i}: the generation prompt does not extend the conversation before it")
-        header = prompt[len(before) :]
-        if text.startswith(before) and len(before) >= cursor:
-            base = len(before)
-        else:  # history rewritten: find the header after the previous turn
-            line = header[: header.index("\n") + 1] if "\n" in header else header
-            base = text.find(line, cursor) if line else -1
-            if base < 0:
-                raise ValueError(
-                    f"message {i}: cannot find where this assistant turn starts in the render "
-                    f"(no {line!r} after character {cursor})"
-                )
-        start = base + _common_prefix(header, text[base:])
-        found = [(text.find(end, start), end) for end in ends]
-        found = [(at, end) for at, end in found if at >= 0]
-        if not found:
-            raise ValueError(
-                f"message {i}: no end-of-turn token {' or '.join(map(repr, ends))} after this assistant turn"
-            )
-        at, end = min(found)
-        stop = at + len(end)
-        lines = [line.strip() for line in message_text(message.get("content")).split("</think>")[-1].splitlines()]
-        last = next((line for line in reversed(lines) if line), "")
-        if last and last not in text[start:stop]:
-            raise ValueError(
-                f"message {i}: the assistant's text {last!r} is not where the template's turns put it "
-                f"(characters {start}..{stop} of the render), so its turns cannot be found"
-            )
-        spans.append((start, stop))
-        cursor = stop
-    return spans
 
 
 def _token_mask(offsets: Int64[np.ndarray, "n 2"], spans: Sequence[tuple[int, int]]) -> Bool[np.ndarray, "n"]:
@@ -255,7 +164,7 @@ def encode_chats(
                 if not spans and any(m["role"] == "assistant" for m in conversation.messages):
                     raise ValueError("the template's {% generation %} tags mark none of the assistant's text")
             else:
-                spans = _turn_spans(conversation, tokenizer, rendered.text)
+                spans = turn_spans(conversation.messages, conversation.tools, tokenizer, rendered.text)
         except ValueError as error:
             raise ValueError(f"{where[i]}: {error}") from None
         texts.append(rendered.text)

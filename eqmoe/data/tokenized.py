@@ -27,7 +27,7 @@ from eqmoe.data.formats import Item, read_conversations
 from eqmoe.data.records import content_digest, count_bytes
 from eqmoe.data.tokenizer import TIKTOKEN_FILE, Tokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: assistant turns found by rendering the history as it continues (eqmoe.data.turns)
 _BATCH = 256
 
 
