@@ -306,3 +306,30 @@ def test_a_sliding_layer_costs_its_window_in_the_plan():
     full = GroupedQueryAttention.plan(config, config.layers[1], shape)
     # blockwise tiles of 256: a sliding query block visits 2 tiles, a full one 16.5 on average
     assert sliding.flops < full.flops / 8 and sliding.cache < full.cache / 20
+
+
+def test_generate_chat_renders_harmony_and_stops_on_return(tmp_path, capsys):
+    """``generate --chat`` on a gpt-oss folder with gpt-oss's published template: the prompt is the harmony render
+    with its generation prompt and the reasoning effort asked for; decoding stops on ``<|return|>`` or ``<|call|>``
+    and runs through ``<|end|>`` (which stop ids a harmony folder gives: tests/test_harmony_chat.py)."""
+    from pathlib import Path
+
+    from experiments import generate as generate_cli
+    from tests.chat_fixtures import write_harmony_tokenizer_folder
+
+    template = (Path(__file__).parent / "templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
+    folder = write_harmony_tokenizer_folder(tmp_path / "hf", template)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    GPT_OSS.save_tiny(folder, seed=7, vocab_size=len(tokenizer))
+    args = generate_cli.Args(
+        hf=folder, prompt="hi", chat=True, max_new_tokens=6, json=True, template_var=("reasoning_effort=high",)
+    )
+    assert generate_cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False, reasoning_effort="high"
+    )
+    assert result["prompt"] == rendered and "Reasoning: high" in rendered
+    stops = {tokenizer.convert_tokens_to_ids(token) for token in ("<|return|>", "<|call|>")}
+    new = result["new_ids"]
+    assert not stops & set(new[:-1]) and (len(new) == 6 or new[-1] in stops)
