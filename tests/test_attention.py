@@ -164,6 +164,10 @@ def test_auto_picks_cudnn_on_gpu_only_where_the_mask_allows_and_logs_the_choice(
         )
     assert backend_name(config, plain, jnp.bfloat16, platform="gpu", window=4) == "blockwise"  # cuDNN: no window
     assert backend_name(config, plain, jnp.bfloat16, platform="gpu", same_widths=False) == "blockwise"
+    assert backend_name(config, plain, jnp.bfloat16, platform="gpu", sinks=True) == "blockwise"  # cuDNN: no sinks
+    with pytest.raises(ValueError, match="no attention sinks"):
+        q, kv = jnp.zeros((1, 2, 2, 16, 8), jnp.bfloat16), jnp.zeros((1, 2, 16, 8), jnp.bfloat16)
+        cudnn_attention(q, kv, kv, plain, scale=1.0, block_size=8, sinks=jnp.zeros((2, 2)))
     attention = _attention("none", 2, 8, "auto")
     with caplog.at_level(logging.INFO, logger="eqmoe.nn.attention_backends"):
         from eqmoe.nn import attention_backends
