@@ -32,7 +32,7 @@ from eqmoe.config import (
 )
 from eqmoe.models.family import Family, TensorName, attention_names, layer_slots, linear_names, outer_names, register
 from eqmoe.models.field_map import Field, FieldMap, Fixed, Rule, show
-from eqmoe.models.hf_config import on_off, rope_rule
+from eqmoe.models.hf_config import decoder_fields, on_off, rope_rule
 
 NAME = "gpt_oss"
 DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta
@@ -171,14 +171,8 @@ FIELD_MAP = FieldMap(
     label="gpt-oss",
     template=PRESETS["gpt-oss-20b"],
     entries=(
-        Field("vocab_size", "vocab_size", kind="positive"),
-        Field("hidden_size", "embed_dim", kind="positive"),
-        Field("num_attention_heads", "attention.num_heads", kind="positive"),
-        # GptOssConfig's defaults when absent; its strict dataclass refuses a null, and so does eqmoe
-        Field("num_key_value_heads", "attention.num_kv_heads", 8, kind="positive"),
-        Field("head_dim", "attention.head_dim", 64, kind="positive"),
-        Field("rms_norm_eps", "norm.eps", 1e-5, kind="positive_number", read=float),
-        Field("tie_word_embeddings", "tie_embeddings", False, kind="bool"),
+        # GptOssConfig: 8 key/value heads and head_dim 64 when absent; its strict dataclass refuses a null
+        *decoder_fields(kv_default=8, eps=1e-5, head_dim_default=64, nullable=False),
         Field("intermediate_size", "moe.expert_dim", kind="positive"),
         Field("num_local_experts", "moe.router.num_experts", 128, kind="positive", aliases=("num_experts",)),
         Field("num_experts_per_tok", "moe.router.top_k", 4, kind="positive"),

@@ -295,24 +295,32 @@ def _head_dim_differs(config: ModelConfig) -> bool:
 
 
 def decoder_fields(
-    *, kv_default: Any = None, head_dim: bool = True, eps: float = 1e-6, tie: bool = True
+    *,
+    kv_default: Any = None,
+    head_dim: bool = True,
+    eps: float = 1e-6,
+    tie: bool = True,
+    head_dim_default: Any = head_dim_of,
+    nullable: bool = True,
 ) -> tuple[Field, ...]:
     """The widths every decoder file has, required so that a truncated file is never read as the family's default
     model: ``vocab_size``, ``hidden_size``, ``num_attention_heads``; ``num_key_value_heads`` (default
-    ``kv_default``, or the head count), ``head_dim`` (default ``hidden_size // num_attention_heads``; with
-    ``head_dim=False`` written only when it differs from that), ``rms_norm_eps`` and ``tie_word_embeddings``."""
+    ``kv_default``, or the head count), ``head_dim`` (default ``head_dim_default``, ``hidden_size //
+    num_attention_heads`` unless given; with ``head_dim=False`` written only when it differs from that),
+    ``rms_norm_eps`` and ``tie_word_embeddings``. ``nullable=False``: a null head count or ``head_dim`` is refused
+    (a strict transformers config refuses it) instead of read as absent."""
     kv = kv_default if kv_default is not None else (lambda hf: hf.get("num_attention_heads"))
     fields = [
         Field("vocab_size", "vocab_size", kind="positive"),
         Field("hidden_size", "embed_dim", kind="positive"),
         Field("num_attention_heads", "attention.num_heads", kind="positive"),
-        Field("num_key_value_heads", "attention.num_kv_heads", kv, kind="positive", nullable=True),
+        Field("num_key_value_heads", "attention.num_kv_heads", kv, kind="positive", nullable=nullable),
         Field(
             "head_dim",
             "attention.head_dim",
-            head_dim_of,
+            head_dim_default,
             kind="positive",
-            nullable=True,
+            nullable=nullable,
             written=True if head_dim else _head_dim_differs,
         ),
         Field("rms_norm_eps", "norm.eps", eps, kind="positive_number", read=float),
