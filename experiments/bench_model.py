@@ -1,20 +1,21 @@
-"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE, same weights, same batch.
+"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE and gpt-oss, same weights, same batch.
 
-    python -m experiments.bench_model                                   # every shape, forward and train
+    python -m experiments.bench_model                                   # the Qwen3-MoE shapes, forward and train
     python -m experiments.bench_model --shape small-train --repeats 3   # one row, one pass
     python -m experiments.bench_model --shape wide --breakdown          # + attention / MoE / dense / norm / head
     python -m experiments.bench_model --shape long --seq-len 2048 --json-out model.json
+    python -m experiments.bench_model --shape gpt-oss --breakdown       # + sliding vs full attention layers
 
-Each row builds a random ``transformers.Qwen3MoeForCausalLM`` (eager attention and experts, float32),
-saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch
-must be below ``--logit-tolerance`` before anything is timed. Passes:
+Each row builds a random ``transformers.Qwen3MoeForCausalLM`` or ``GptOssForCausalLM`` (eager attention and
+experts, float32), saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference|
+on the batch must be below ``--logit-tolerance`` before anything is timed. Passes:
 
 - ``forward``: the logits of the batch (torch under ``inference_mode``; eqmoe jitted, as ``batch_loss``
   calls the model: one packed segment, all tokens real).
 - ``train``: one optimizer step. eqmoe runs the project's own ``make_train_step`` (donated state, the
   configured objective: CE + 0.001 * pooled load balance, every reported metric) with
   ``OptimizerConfig(warmup_steps=0)``: AdamW lr 3e-4, b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 except
-  norm scales, global-norm clip 1.0. transformers runs ``model(ids, labels=ids,
+  norm scales and biases, global-norm clip 1.0. transformers runs ``model(ids, labels=ids,
   output_router_logits=True).loss`` (CE + router_aux_loss_coef * aux), ``backward``,
   ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` with the same values and the same decay groups.
 
@@ -23,7 +24,10 @@ The two frameworks alternate in one process, in blocks of calls that each open w
 each side (eqmoe: compilation + one run) is reported apart from the medians of ``--repeats`` timed calls.
 ``ratio`` = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe is faster). ``--breakdown`` times single
 components on the row's shapes, forward and forward+backward (the gradient of ``sum(out * g)``, fixed
-random ``g``, w.r.t. the inputs and parameters); there ``ratio`` = transformers ms / eqmoe ms.
+random ``g``, w.r.t. the inputs and parameters); there ``ratio`` = transformers ms / eqmoe ms. In a model whose
+layers differ in window (gpt-oss) the attention of its first sliding and of its first full layer are timed apart,
+and one more line gives eqmoe's sliding / full attention time: the blockwise kernel never visits the tiles outside
+a window, while transformers' eager attention computes every score and masks the rest.
 """
 
 import copy
@@ -64,6 +68,10 @@ class Shape:
     vocab: int
     batch: int
     seq: int
+    family: Literal["qwen3_moe", "gpt_oss"] = "qwen3_moe"
+    """The transformers model: Qwen3-MoE, or gpt-oss (sinks, biases, clamped SwiGLU, sliding and full layers)."""
+    window: int | None = None
+    """gpt-oss: the window of its sliding layers (every even layer, as transformers alternates them)."""
 
     def model_key(self) -> tuple:
         return dataclasses.astuple(dataclasses.replace(self, batch=0, seq=0))
@@ -71,18 +79,27 @@ class Shape:
 
 _SMALL = dict(layers=4, embed=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=2, expert_dim=512, vocab=2048)
 _WIDE = dict(layers=2, embed=512, heads=8, kv_heads=4, head_dim=64, experts=32, top_k=4, expert_dim=1024, vocab=2048)
+# gpt-oss-20b's proportions on two cores: one sliding layer (window 128) and one full, heads of 64 with 8 query heads
+# per key/value head (its 64:8), 32 experts top-4 (its own), experts as wide as the model (its 2880 and 2880). It runs
+# 1 x 8,192 tokens, where a window pays off; transformers' eager attention scores [8, 8192, 8192] float32 (2 GiB) in
+# every layer, sliding or not: on a 2-core, 23 GiB machine its train step took 38 s (59 s the first), the process
+# peaked at 13.8 GiB and ``--shape gpt-oss --breakdown --repeats 3`` took 12 minutes.
+_GPT_OSS = dict(layers=2, embed=512, heads=8, kv_heads=1, head_dim=64, experts=32, top_k=4, expert_dim=512, vocab=2048)
 SHAPES = {
     "small": Shape(**_SMALL, batch=8, seq=256),
     "wide": Shape(**_WIDE, batch=4, seq=1024),
     "long": Shape(**_WIDE, batch=1, seq=4096),  # the "wide" model
+    "gpt-oss": Shape(**_GPT_OSS, batch=1, seq=8192, family="gpt_oss", window=128),
 }
+DEFAULT_ROWS = ("small", "wide", "long")  # gpt-oss's 12 minutes run when asked for
 PASSES = ("forward", "train")
 
 
 @dataclass(frozen=True)
 class Args(DispatchOption, JsonFileOptions):
     shape: tuple[str, ...] = ()
-    """Rows to run: small, wide, long, or NAME-PASS for one pass (e.g. small-train); default every row."""
+    """Rows to run: small, wide, long, gpt-oss, or NAME-PASS for one pass (e.g. small-train); default small, wide
+    and long."""
     layers: int | None = None
     """Override the decoder layers of every selected row."""
     embed: int | None = None
@@ -101,6 +118,8 @@ class Args(DispatchOption, JsonFileOptions):
     """Override each expert's SwiGLU width."""
     vocab: int | None = None
     """Override the vocabulary size."""
+    window: int | None = None
+    """Override the sliding layers' window (rows that have them: gpt-oss)."""
     batch_size: int | None = None
     """Rows per batch (default: each benchmark row's own)."""
     seq_len: int | None = None
@@ -108,7 +127,8 @@ class Args(DispatchOption, JsonFileOptions):
     repeats: int = 5
     """Timed calls per side and measurement (the median is reported), in two blocks alternating with the other side."""
     breakdown: bool = False
-    """Also time the components (attention, MoE, equal-FLOP dense SwiGLU, RMSNorm, embed+head+loss)."""
+    """Also time the components (attention, sliding and full apart where layers differ, MoE, equal-FLOP dense
+    SwiGLU, RMSNorm, embed+head+loss)."""
     hf_adamw: Literal["default", "foreach", "fused"] = "default"
     """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
     logit_tolerance: float = 1e-3
@@ -123,17 +143,27 @@ def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
     given["seq"] = args.seq_len
     overrides = {name: value for name, value in given.items() if value is not None}
     rows: dict[str, list[str]] = {}
-    for entry in args.shape or tuple(SHAPES):
-        name, _, pass_name = entry.partition("-")
-        if name not in SHAPES or (pass_name and pass_name not in PASSES):
+    for entry in args.shape or DEFAULT_ROWS:
+        name, pass_name = _row_and_pass(entry)
+        if name not in SHAPES:
             allowed = ", ".join([*SHAPES, *(f"{s}-{p}" for s in SHAPES for p in PASSES)])
             raise UsageError(f"--shape {entry} is unknown; allowed: {allowed}")
+        if args.window is not None and SHAPES[name].window is None:
+            raise UsageError(f"--window={args.window} is invalid for --shape {entry}: its layers have no window")
         passes = rows.setdefault(name, [])
         passes.extend(p for p in ((pass_name,) if pass_name else PASSES) if p not in passes)
     return [
         (name, dataclasses.replace(SHAPES[name], **overrides), tuple(p for p in PASSES if p in passes))
         for name, passes in rows.items()
     ]
+
+
+def _row_and_pass(entry: str) -> tuple[str, str]:
+    """``NAME`` -> ``(NAME, "")``, ``NAME-PASS`` -> ``(NAME, PASS)``; a row's name may hold a dash (gpt-oss)."""
+    name, _, pass_name = entry.rpartition("-")
+    if entry in SHAPES or pass_name not in PASSES:
+        return entry, ""
+    return name, pass_name
 
 
 def machine() -> dict:
@@ -199,14 +229,30 @@ def interleaved(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int
 
 
 def build_models(shape: Shape, seed: int):
-    """A random transformers Qwen3-MoE (eager attention and experts, eval mode) and the same weights as an
-    eqmoe ``Transformer``, read back with ``eqmoe.checkpoints.hf.load`` from a ``save_pretrained`` folder."""
+    """A random transformers model of the shape's family (eager attention and experts, eval mode) and the same
+    weights as an eqmoe ``Transformer``, read back with ``eqmoe.checkpoints.hf.load`` from a ``save_pretrained``
+    folder."""
     import torch
     import transformers
 
     from eqmoe.checkpoints import hf
 
-    config = transformers.Qwen3MoeConfig(
+    gpt_oss = shape.family == "gpt_oss"
+    config = _gpt_oss_config(shape) if gpt_oss else _qwen3_moe_config(shape)
+    torch.manual_seed(seed)
+    model_class = transformers.GptOssForCausalLM if gpt_oss else transformers.Qwen3MoeForCausalLM
+    reference = model_class(config).eval()
+    _perturb_off_init(reference)
+    with tempfile.TemporaryDirectory(prefix="bench_model_") as folder:
+        reference.save_pretrained(folder)
+        model = hf.load(folder)
+    return reference, model
+
+
+def _qwen3_moe_config(shape: Shape):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.embed,
         intermediate_size=shape.expert_dim,  # unused: every layer is MoE
@@ -227,16 +273,44 @@ def build_models(shape: Shape, seed: int):
         attn_implementation="eager",
         experts_implementation="eager",
     )
-    torch.manual_seed(seed)
-    reference = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at exactly 1: perturb them so the check covers their weights
+
+
+def _gpt_oss_config(shape: Shape):
+    """GptOssConfig's own defaults (YaRN RoPE x32 over 4096 positions, theta 150000, swiglu_limit 7) at the shape's
+    sizes, its layers alternating sliding and full, sliding first, as gpt-oss's ``layer_types``."""
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.embed,
+        intermediate_size=shape.expert_dim,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_local_experts=shape.experts,
+        num_experts_per_tok=shape.top_k,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        sliding_window=shape.window,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+
+
+def _perturb_off_init(reference) -> None:
+    """Move what transformers initialises to a constant or near zero, so the logit check covers those weights too:
+    norms (exactly 1), biases (exactly 0: gpt-oss's attention, router and experts) and sinks (N(0, 0.02): a sink
+    that small is invisible next to a softmax over hundreds of keys)."""
+    import torch
+
+    scales = {"norm.weight": 0.1, "bias": 0.1, "sinks": 1.0}
+    with torch.no_grad():  # in parameter order, so a Qwen3-MoE draws what it drew when only its norms moved
         for name, param in reference.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-    with tempfile.TemporaryDirectory(prefix="bench_model_") as folder:
-        reference.save_pretrained(folder)
-        model = hf.load(folder)
-    return reference, model
+            scale = next((scale for suffix, scale in scales.items() if name.endswith(suffix)), None)
+            if scale is not None:
+                param.add_(scale * torch.randn_like(param))
 
 
 def _copy_arrays(tree):
@@ -297,8 +371,8 @@ def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
     model = copy.deepcopy(reference).train()
     named = list(model.named_parameters())
     groups = [
-        {"params": [p for n, p in named if not n.endswith("norm.weight")], "weight_decay": config.weight_decay},
-        {"params": [p for n, p in named if n.endswith("norm.weight")], "weight_decay": 0.0},
+        {"params": [p for n, p in named if _decays(n)], "weight_decay": config.weight_decay},
+        {"params": [p for n, p in named if not _decays(n)], "weight_decay": 0.0},
     ]
     flags = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw]
     optimizer = torch.optim.AdamW(
@@ -315,6 +389,12 @@ def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
         return None
 
     return call
+
+
+def _decays(name: str) -> bool:
+    """eqmoe's decay rule (``eqmoe.train.optimizer.decays``) on a transformers parameter name: no decay on norm
+    scales and biases; gpt-oss's sinks decay as eqmoe's do."""
+    return not name.endswith(("norm.weight", "bias"))
 
 
 # --- components (--breakdown) ------------------------------------------------------------------------
@@ -334,10 +414,26 @@ class Component:
     their_const: tuple
 
 
-def eqmoe_first_block(model):
-    """The first block of the first segment: its leaves carry a leading ``repeats`` axis; take repeat 0."""
-    first = lambda leaf: jnp.asarray(np.asarray(leaf)[0]) if eqx.is_array(leaf) else leaf  # noqa: E731
-    return jax.tree.map(first, model.segments[0].blocks[0])
+def eqmoe_block(model, layer: int):
+    """The block of decoder layer ``layer``: its segment's leaves carry a leading ``repeats`` axis; take the layer's
+    repeat."""
+    from eqmoe.models.family import layer_slots
+
+    _, segment, repeat, position, _ = next(slot for slot in layer_slots(model.config) if slot[0] == layer)
+    take = lambda leaf: jnp.asarray(np.asarray(leaf)[repeat]) if eqx.is_array(leaf) else leaf  # noqa: E731
+    return jax.tree.map(take, model.segments[segment].blocks[position])
+
+
+def attention_layers(config) -> dict[str, int]:
+    """The layers whose attention the breakdown times, by component name: layer 0 (``attention``) or, where some
+    layers slide and some attend fully, the first of each (``attention_sliding``, ``attention_full``): their costs
+    differ by the window, so one layer would speak for half the model."""
+    windows = [kind.window for kind in config.layers]
+    sliding = [i for i, window in enumerate(windows) if window is not None]
+    full = [i for i, window in enumerate(windows) if window is None]
+    if not (sliding and full):
+        return {"attention": 0}
+    return {"attention_sliding": sliding[0], "attention_full": full[0]}
 
 
 def eqmoe_attention_sublayer(block, shape: Shape) -> tuple[Callable, tuple]:
@@ -368,12 +464,41 @@ def eqmoe_backends(model, shape: Shape) -> str:
     moe = dispatch.resolve(model.config.moe).__name__
     ones = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
     mask = jax.eval_shape(attention_mask, ones, ones.update(dtype=jnp.bool_))
-    attention = backend_name(model.config.attention, mask, model.config.dtype)
+    attention = backend_name(model.config.attention, mask, model.config.dtype, sinks=model.config.attention.sinks)
     return f"moe {moe}, attention {attention}"
 
 
+def attention_component(name: str, index: int, shape: Shape, model, reference, x, x_t) -> Component:
+    """The attention sub-layer (norm, then attention) of decoder layer ``index``; transformers' gets the RoPE and
+    the additive mask its model builds for that layer (a sliding one: query q sees keys q - W < k <= q)."""
+    import torch
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    block, layer = eqmoe_block(model, index), reference.model.layers[index]
+    ours, const = eqmoe_attention_sublayer(block, shape)
+    position_ids = torch.arange(shape.seq)[None].expand(shape.batch, -1)
+    with torch.no_grad():
+        rope = reference.model.rotary_emb(x_t, position_ids=position_ids)
+    sliding = getattr(layer.self_attn, "sliding_window", None) is not None
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    mask = make_mask(
+        config=reference.config, inputs_embeds=x_t, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    return Component(
+        name, ours, (block.attn_norm, block.attention, x), const,
+        lambda norm, attn, x, rope, mask: attn(norm(x), position_embeddings=rope, attention_mask=mask)[0],
+        (layer.input_layernorm, layer.self_attn, x_t), (rope, mask),
+    )  # fmt: skip
+
+
+def _hidden(output):
+    """A transformers MoE block's hidden states: gpt-oss's returns ``(hidden, router_scores)``."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def components(shape: Shape, model, reference, rng: np.random.Generator) -> list[Component]:
-    """Attention, MoE, equal-FLOP dense SwiGLU, RMSNorm and embed+final norm+lm_head+CE, same weights."""
+    """Attention (:func:`attention_layers`), MoE, equal-FLOP dense SwiGLU, RMSNorm and embed+final
+    norm+lm_head+CE, same weights."""
     import torch
 
     from eqmoe.losses import next_token_cross_entropy
@@ -384,18 +509,16 @@ def components(shape: Shape, model, reference, rng: np.random.Generator) -> list
         return torch.from_numpy(np.array(x)).requires_grad_(grad)
 
     x = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.embed), np.float32))
-    block, layer = eqmoe_first_block(model), reference.model.layers[0]
+    block, layer = eqmoe_block(model, 0), reference.model.layers[0]
     h = eqx.filter_jit(lambda norm, x: norm(x))(block.pre_norm, x)  # the MoE's input: normed activations
     token_mask = jnp.asarray(np.ones((shape.batch, shape.seq), bool))
     ids = jnp.asarray(rng.integers(0, shape.vocab, (shape.batch, shape.seq), dtype=np.int32))
 
-    attention, attention_const = eqmoe_attention_sublayer(block, shape)
     x_t, h_t, ids_t = to_torch(x, True), to_torch(h, True), torch.from_numpy(np.array(ids)).long()
-    position_ids = torch.arange(shape.seq)[None].expand(shape.batch, -1)
-    with torch.no_grad():
-        rope = reference.model.rotary_emb(x_t, position_ids=position_ids)
-    additive = torch.full((shape.seq, shape.seq), torch.finfo(torch.float32).min).triu(1)
-    causal = additive[None, None].expand(shape.batch, 1, -1, -1)  # what create_causal_mask gives eager
+    attentions = [
+        attention_component(name, index, shape, model, reference, x, x_t)
+        for name, index in attention_layers(model.config).items()
+    ]
 
     width = shape.top_k * shape.expert_dim
     init = Init("normal", 0.02, jnp.dtype("float32"))
@@ -416,14 +539,10 @@ def components(shape: Shape, model, reference, rng: np.random.Generator) -> list
         return reference.loss_function(lm_head(norm(embed(tokens))), tokens, shape.vocab)
 
     return [
-        Component(
-            "attention", attention, (block.attn_norm, block.attention, x), attention_const,
-            lambda norm, attn, x, rope, mask: attn(norm(x), position_embeddings=rope, attention_mask=mask)[0],
-            (layer.input_layernorm, layer.self_attn, x_t), (rope, causal),
-        ),
+        *attentions,
         Component(
             "moe", lambda diff, const: diff[0](diff[1])[0], (block.ffn, h), (),
-            lambda mlp, h: mlp(h), (layer.mlp, h_t), (),
+            lambda mlp, h: _hidden(mlp(h)), (layer.mlp, h_t), (),
         ),
         Component(
             f"dense_swiglu_{width}", lambda diff, const: diff[0](diff[1])[0], (dense, h), (),
@@ -511,6 +630,7 @@ def run(args: Args) -> dict:
         + " ".join(f"{x:.2f}" for x in info["load_average_at_start"])
     )
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
+    results["sliding_over_full"] = []
     built: tuple = (None, None, None)
     for name, shape, passes in rows:
         if built[0] != shape.model_key():
@@ -567,9 +687,13 @@ def run(args: Args) -> dict:
             )
         if args.breakdown:
             rng = np.random.default_rng(args.seed + 2)
-            for component in components(shape, model, reference, rng):
-                for entry in time_component(component, args.repeats, rng):
-                    results["breakdown"].append({"shape": name, **entry})
+            entries = [
+                {"shape": name, **entry}
+                for component in components(shape, model, reference, rng)
+                for entry in time_component(component, args.repeats, rng)
+            ]
+            results["breakdown"] += entries
+            results["sliding_over_full"] += sliding_over_full(name, shape, entries)
 
     info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
     header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
@@ -584,12 +708,36 @@ def run(args: Args) -> dict:
         header = ["shape", "component", "pass", "eqmoe ms", "HF ms", "ratio", "max |diff|"]
         print("\n" + _table(header, cells))
         print("ratio = transformers ms / eqmoe ms (> 1: eqmoe faster); max |diff| of the forward outputs")
+    for ratio in results["sliding_over_full"]:
+        print(_sliding_over_full_line(ratio))
     print("load average at the end:", " ".join(f"{x:.2f}" for x in info["load_average_at_end"]))
     if args.json_out is not None:
         from eqmoe.train.logging import write_json_atomic
 
         write_json_atomic(args.json_out, results)
     return results
+
+
+def sliding_over_full(name: str, shape: Shape, entries: list[dict]) -> list[dict]:
+    """A sliding layer's attention time over a full layer's, each side and pass, where the breakdown timed both."""
+    timed = {(entry["component"], entry["pass"]): entry for entry in entries}
+    if ("attention_sliding", "forward") not in timed:
+        return []
+    ratio = {"shape": name, "window": shape.window, "batch": shape.batch, "seq": shape.seq}
+    for side in ("eqmoe", "hf"):
+        for pass_name in ("forward", "fwd+bwd"):
+            sliding, full = timed["attention_sliding", pass_name], timed["attention_full", pass_name]
+            ratio[f"{side}_{pass_name}"] = sliding[f"{side}_ms"] / full[f"{side}_ms"]
+    return [ratio]
+
+
+def _sliding_over_full_line(ratio: dict) -> str:
+    return (
+        f"{ratio['shape']}: sliding (window {ratio['window']}) / full attention layer time at "
+        f"{ratio['batch']}x{ratio['seq']}: eqmoe forward {ratio['eqmoe_forward']:.3f}, fwd+bwd "
+        f"{ratio['eqmoe_fwd+bwd']:.3f}; transformers forward {ratio['hf_forward']:.3f}, "
+        f"fwd+bwd {ratio['hf_fwd+bwd']:.3f}"
+    )
 
 
 def _row_cells(row: dict) -> list[str]:
