@@ -17,7 +17,7 @@ from eqmoe.config import AttentionConfig, LayerKind, ModelConfig, NormConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn.attention_backends import backend_name, cudnn_attention, dense_attention
 from eqmoe.nn.context import Context, attention_mask, causal_mask
-from eqmoe.nn.flash import _blocks, blockwise_attention
+from eqmoe.nn.flash import _blocks, blockwise_attention, tile_size
 from eqmoe.nn.gqa import GroupedQueryAttention
 
 BATCH, SEQ, EMBED, BLOCK = 2, 37, 16, 8  # 37 tokens: not a multiple of the block
@@ -247,6 +247,9 @@ def test_a_sliding_layer_visits_only_the_tiles_its_window_reaches():
     n = -(-SEQ // BLOCK)
     assert _live_tiles(causal_mask(BATCH, SEQ), BLOCK, window=BLOCK) == 2 * n - 1
     assert _live_tiles(causal_mask(BATCH, SEQ), BLOCK, window=1) == n
+    # a sliding layer's tiles shrink to its window (at least 64): gpt-oss's 128 in tiles of 128, not 256
+    assert [tile_size(256, w) for w in (None, 128, 100, 8, 1000)] == [256, 128, 104, 64, 256]
+    assert tile_size(BLOCK, 3) == BLOCK
 
 
 def test_a_sliding_gqa_layer_equals_the_full_one_within_its_window():

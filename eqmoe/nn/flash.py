@@ -223,6 +223,16 @@ def _attention_bwd(scale, block_q, block_k, window, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def tile_size(block_size: int, window: int | None) -> int:
+    """The tile edge for a layer: ``block_size``, or for a sliding layer its window rounded up to 8 (at least 64)
+    when that is smaller. A query block then visits its own tile and one before it, so smaller tiles compute less
+    outside the window (measured on 2 cores at 8,192 tokens, window 128: tiles of 128 take 0.65x the time of 256 in
+    the forward+backward pass; 64 is slower again, their loop overhead outweighing the saving)."""
+    if window is None:
+        return block_size
+    return min(block_size, max(64, -(-window // 8) * 8))
+
+
 def _block_length(length: int, block: int) -> tuple[int, int]:
     """The block size for ``length`` tokens (one block when they fit) and the padded length."""
     size = min(block, length)
@@ -243,10 +253,11 @@ def blockwise_attention(
     """``softmax(scale * q k^T + mask) v`` computed tile by tile (see the module docstring).
 
     ``mask`` is an :class:`eqmoe.nn.context.AttentionMask`; ``window`` a sliding layer's window (``None``:
-    full); ``sinks`` each query head's sink logit (``None``: none); sequence lengths need not be multiples of
-    ``block_size`` (the last block is padded with tokens no one sees).
+    full; its tiles are :func:`tile_size`); ``sinks`` each query head's sink logit (``None``: none); sequence lengths
+    need not be multiples of ``block_size`` (the last block is padded with tokens no one sees).
     """
     q_len, k_len = q.shape[3], k.shape[2]
+    block_size = tile_size(block_size, window)
     block_q, q_padded = _block_length(q_len, block_size)
     block_k, k_padded = _block_length(k_len, block_size)
     blocks = _blocks(mask, q_padded, k_padded, block_q, block_k, window)

@@ -11,6 +11,7 @@ from eqmoe.config import AttentionConfig, LayerKind, ModelConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn.attention_backends import attend, scale_once
 from eqmoe.nn.context import AttentionMask, Context
+from eqmoe.nn.flash import tile_size
 from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape
 from eqmoe.nn.linear import Linear
 from eqmoe.nn.norm import RMSNorm
@@ -181,7 +182,7 @@ class GroupedQueryAttention(AttentionKind):
         blockwise = attention.backend != "dense"
         if not blockwise:
             return Cost(kept + 10 * heads * shape.seq, flops=12 * heads * hd * keys, cache=cached)
-        tile = min(attention.block_size, shape.seq)
+        tile = min(tile_size(attention.block_size, layer.window), shape.seq)
         blocks = -(-shape.seq // tile)
         visible = (blocks + 1) / (2 * blocks) if layer.window is None else min(1.0, (keys + tile) / shape.seq)
         per_step = shape.tokens * 4 * heads * hd + 4 * shape.rows * heads * tile * tile
