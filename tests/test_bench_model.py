@@ -39,6 +39,9 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     assert results["sliding_over_full"] == []  # every layer attends fully
 
 
+# -m slow (32 s): the bench's machinery is the Qwen row's test above; gpt-oss's numbers are tests/test_gpt_oss.py's and
+# the sliding kernel's tests/test_attention.py's
+@pytest.mark.slow
 def test_gpt_oss_row_times_its_sliding_and_full_attention_apart(tmp_path):
     out = tmp_path / "bench.json"
     shape = dict(TINY, layers=2)  # one sliding layer, one full

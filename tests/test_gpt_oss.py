@@ -136,6 +136,18 @@ def test_published_mxfp4_folder_loads_every_weight_and_the_logits_of_transformer
     shared.assert_logits_match(reference, model)
 
 
+def test_convert_of_an_mxfp4_folder_says_its_output_is_unquantized(tmp_path, capsys):
+    from experiments import convert
+
+    GPT_OSS.save_tiny(tmp_path / "plain", seed=5, hidden_size=64, intermediate_size=32, head_dim=16)
+    mxfp4_folder_from(tmp_path / "plain", tmp_path / "mxfp4")
+    assert convert.main(convert.Args(hf=tmp_path / "mxfp4", out=tmp_path / "ckpt")) == 0
+    assert "holds MXFP4 expert weights, dequantized" in capsys.readouterr().out
+    assert convert.main(convert.Args(checkpoint=tmp_path / "ckpt", to_hf=tmp_path / "back")) == 0
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert "quantization_config" not in written and written["model_type"] == "gpt_oss"
+
+
 def _generate_both(model, reference, prompt: np.ndarray, mask: np.ndarray, new: int):
     with torch.no_grad():
         theirs = reference.generate(

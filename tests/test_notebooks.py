@@ -33,7 +33,16 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# -m slow (75 s): the Envy readings notebook (its numbers are tests/test_envy.py's) and the routing explorer (its
+# analyses are tests/test_routing_analyses.py's); the other four run by default.
+SLOW_NOTEBOOKS = ("02_routing_explorer", "04_envy_two_readings")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_NOTEBOOKS else p for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
 def test_notebook_runs_top_to_bottom(path):
     notebook = nbformat.read(path, as_version=4)
     started = time.perf_counter()
