@@ -249,29 +249,36 @@ def build_models(shape: Shape, seed: int):
     return reference, model
 
 
-def _qwen3_moe_config(shape: Shape):
-    import transformers
-
-    return transformers.Qwen3MoeConfig(
+def _shared_fields(shape: Shape) -> dict:
+    """The config fields both families name alike: the shape's widths, untied, eager attention and experts."""
+    return dict(
         vocab_size=shape.vocab,
         hidden_size=shape.embed,
-        intermediate_size=shape.expert_dim,  # unused: every layer is MoE
-        moe_intermediate_size=shape.expert_dim,
+        intermediate_size=shape.expert_dim,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        num_experts=shape.experts,
         num_experts_per_tok=shape.top_k,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
         tie_word_embeddings=False,
-        max_position_embeddings=max(shape.seq, 4096),
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         use_cache=False,
         attn_implementation="eager",
         experts_implementation="eager",
+    )
+
+
+def _qwen3_moe_config(shape: Shape):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        **_shared_fields(shape),
+        moe_intermediate_size=shape.expert_dim,  # intermediate_size is unused: every layer is MoE
+        num_experts=shape.experts,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=max(shape.seq, 4096),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
 
 
@@ -281,21 +288,10 @@ def _gpt_oss_config(shape: Shape):
     import transformers
 
     return transformers.GptOssConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.embed,
-        intermediate_size=shape.expert_dim,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
+        **_shared_fields(shape),
         num_local_experts=shape.experts,
-        num_experts_per_tok=shape.top_k,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
         sliding_window=shape.window,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="eager",
-        experts_implementation="eager",
     )
 
 

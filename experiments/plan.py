@@ -141,12 +141,12 @@ def _frozen(args: Args, frozen: dict) -> str | None:
     )
 
 
-def _fits(device_gib: float, peak: float, compiled_peak: float | None) -> str:
-    """Whether a step's peak bytes fit one device of ``device_gib`` GiB, by each estimate."""
-    verdict = lambda value: "yes" if value <= device_gib * 2**30 else "no"  # noqa: E731
-    line = f"fits in {device_gib:g} GiB per device: analytic {verdict(peak)} ({_gib(peak)} GiB)"
-    if compiled_peak is not None:
-        line += f", XLA compiled {verdict(compiled_peak)} ({_gib(compiled_peak)} GiB)"
+def _fits(fits: dict, peak: float, compiled_peak: float | None) -> str:
+    """The row's ``fits`` record as a line, with the peaks it was judged on."""
+    verdict = lambda fits_here: "yes" if fits_here else "no"  # noqa: E731
+    line = f"fits in {fits['device_gib']:g} GiB per device: analytic {verdict(fits['analytic'])} ({_gib(peak)} GiB)"
+    if fits["compiled"] is not None:
+        line += f", XLA compiled {verdict(fits['compiled'])} ({_gib(compiled_peak)} GiB)"
     return line
 
 
@@ -181,8 +181,8 @@ def table(args: Args, rows: list[dict]) -> str:
         lines.append(line)
         if (frozen := _frozen(args, row["frozen"])) is not None:
             lines.append(frozen)
-        if args.device_gib is not None:
-            lines.append(f"{'':<29}{_fits(args.device_gib, peak, compiled_peak)}")
+        if "fits" in row:
+            lines.append(f"{'':<29}{_fits(row['fits'], peak, compiled_peak)}")
         if row["compile_error"]:
             lines.append(f"{'':<29}XLA could not compile this here ({row['compile_error']}); analytic only")
     return "\n".join(lines)
