@@ -14,6 +14,7 @@ from typing import Literal
 from eqmoe._checks import EXECUTION, OBJECTIVE, _check, _one_of, _positive, execution, objective  # noqa: F401
 from eqmoe._checks import is_number as _is_number
 from eqmoe.latent_attention import LatentAttentionConfig  # noqa: F401 (part of the config API)
+from eqmoe.linear_attention import LinearAttentionConfig  # noqa: F401 (part of the config API)
 from eqmoe.rope_scaling import ROPE_TYPES, RopeScaling  # noqa: F401 (part of the config API)
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -52,6 +53,11 @@ class AttentionConfig:
     a share of the probability without a value (gpt-oss's attention sinks; every backend but ``cudnn``).
     ``sliding_cache``: how a sliding layer (``LayerKind.window``) keeps keys while decoding: ``"ring"`` keeps only
     its window, a ring of ``window`` slots; ``"full"`` keeps every slot as a full layer does (same tokens).
+    ``output_gate``: the query projection gives each head a second ``head_dim`` block (query first, gate second, as
+    the checkpoint holds ``q_proj``), and the attention output is multiplied by ``sigmoid(gate)`` before the output
+    projection (Qwen3-Next's gated attention).
+    ``linear``: the widths of gated DeltaNet linear attention (:class:`LinearAttentionConfig`), read by the
+    ``gated_deltanet`` attention kind of a hybrid model's linear layers; ``None`` for models without one.
     ``latent``: the widths of multi-head latent attention (:class:`LatentAttentionConfig`), read by the ``mla``
     attention kind (DeepSeek-V2/V3), whose ``head_dim`` is the query/key width and ``num_kv_heads`` equals
     ``num_heads``; ``None`` for the other kinds.
@@ -74,7 +80,9 @@ class AttentionConfig:
     bias: Literal["none", "qkv", "qkvo"] = "none"
     clip_qkv: float | None = None
     sinks: bool = False
+    output_gate: bool = False
     latent: LatentAttentionConfig | None = None
+    linear: LinearAttentionConfig | None = None
     backend: str = execution("auto")
     block_size: int = execution(256)
     sliding_cache: Literal["ring", "full"] = execution("ring")
@@ -151,6 +159,13 @@ class AttentionConfig:
             self.head_dim,
             f"more than latent.rope_dim={getattr(latent, 'rope_dim', None)} (head_dim is nope + rope widths)",
         )
+        _check(
+            self.linear is None or isinstance(self.linear, LinearAttentionConfig),
+            "AttentionConfig",
+            "linear",
+            self.linear,
+            "None | a LinearAttentionConfig",
+        )
         scaling = self.rope_scaling
         _check(
             scaling is None or isinstance(scaling, RopeScaling),
@@ -169,11 +184,14 @@ class NormConfig:
     ``x + ffn(norm(x))``; ``"post"`` is ``norm(x + ffn(x))``;
     ``"hybrid"`` is ``x + postnorm(ffn(prenorm(x)))`` (AXLearn's names).
     ``stats_dtype``: the mean square is taken in ``"float32"`` (HF) or in the ``"input"`` dtype (AXLearn).
+    ``zero_centered``: every norm's scale is held as its offset from 1, initialised at 0 and applied as ``1 + w``
+    in float32 before the cast back (Qwen3-Next's and Qwen3.5's RMSNorm; weight decay pulls the scale to 1).
     """
 
     eps: float = 1e-6
     ffn_placement: str = "pre"
     stats_dtype: Literal["float32", "input"] = "float32"
+    zero_centered: bool = False
 
     def __post_init__(self):
         _positive("NormConfig", eps=self.eps)

@@ -9,6 +9,7 @@ from eqmoe.config import (
     AttentionConfig,
     LatentAttentionConfig,
     LayerKind,
+    LinearAttentionConfig,
     LossConfig,
     ModelConfig,
     MoEConfig,
@@ -75,6 +76,8 @@ def config_from_dict(values: dict) -> ModelConfig:
             attention["rope_scaling"] = RopeScaling(**attention["rope_scaling"])
         if isinstance(attention.get("latent"), dict):
             attention["latent"] = LatentAttentionConfig(**attention["latent"])
+        if isinstance(attention.get("linear"), dict):
+            attention["linear"] = LinearAttentionConfig(**attention["linear"])
         return ModelConfig(
             **{
                 **values,

@@ -108,9 +108,7 @@ class Transformer(Layer):
         self.segments = tuple(
             RepeatedUnit(segment, config, key=k) for segment, k in zip(stack, k_segments, strict=True)
         )
-        self.final_norm = RMSNorm(
-            config.embed_dim, eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype
-        )
+        self.final_norm = RMSNorm.of(config.norm, config.embed_dim, init.dtype)
         self.lm_head = (
             None
             if config.tie_embeddings

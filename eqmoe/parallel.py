@@ -19,8 +19,9 @@ experts      expert                  expert parallelism: each device holds E / e
 ===========  ======================  ============================================================
 
 Everything else (``layers``, ``head_dim``, ``seq``, ``lora_rank`` for adapters' rank, ``latent`` for latent
-attention's low ranks, ``norm`` for norm scales, ``gates`` for the router's per-expert scores, ``fp8_blocks`` for
-a block-FP8 weight's scale grid where it spans several weight axes) is replicated.
+attention's low ranks, ``linear`` for linear attention's widths and ``conv`` for its kernel, ``norm`` for norm
+scales, ``gates`` for the router's per-expert scores, ``fp8_blocks`` for a block-FP8 weight's scale grid where it
+spans several weight axes) is replicated.
 Each parameter names its logical axes once, in the annotation of the field that declares it
 (``wq: Float[Array, "embed heads head_dim"] = param(Role.ATTENTION)``), with a leading ``layers`` axis
 added for every stacking; an axis name with no rule is an error. A dimension
@@ -54,6 +55,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "latent": (),
+    "linear": (),
+    "conv": (),
     "mlp": ("tensor",),
     "expert_mlp": ("tensor",),
     "experts": ("expert",),

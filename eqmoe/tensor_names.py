@@ -17,7 +17,8 @@ class TensorName:
     loading checks it equals the first instead of reading it. ``columns`` ``(start, step)`` marks one of several
     leaves that share a tensor along its last axis: the leaf's slice is ``tensor[..., start::step]`` (gpt-oss's fused
     ``gate_up_proj``: the gate at columns ``0::2``, up at ``1::2``), and the tensor is written whole once every part
-    of it is at hand.
+    of it is at hand. ``stored``: the slice's shape in the checkpoint when it differs from the leaf's only by a reshape
+    (a ``[channels, kernel]`` convolution stored as torch's ``[channels, 1, kernel]``).
     """
 
     key: str
@@ -27,10 +28,13 @@ class TensorName:
     flat: bool = False
     duplicate: bool = False
     columns: tuple[int, int] | None = None
+    stored: tuple[int, ...] | None = None
 
     def checkpoint_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The tensor's shape in the checkpoint (torch ``[out, in]`` for linear weights)."""
         piece = leaf_shape[len(self.index) :]
+        if self.stored is not None:
+            return self.stored
         if self.columns is not None:
             return (*piece[:-1], piece[-1] * self.columns[1])
         if self.flat:

@@ -159,7 +159,7 @@ def test_biases_whole_projection_norm_and_clip_follow_olmoe_order():
     assert attention.q_norm.weight.shape == (32,) and attention.k_norm.weight.shape == (16,)
     x = rng.normal(size=(1, 6, 32)).astype(np.float32)
     cos, sin = rope_tables(jnp.arange(6)[None], 8, config.rope_theta, jnp.float32)
-    q, k, v = attention._project(jnp.asarray(x), jnp.arange(6)[None], None)
+    q, k, v, _ = attention._project(jnp.asarray(x), jnp.arange(6)[None], None)
     flat = x.reshape(6, 32)
     w = {name: np.asarray(getattr(attention, name).weight).reshape(32, -1) for name in ("q", "k", "v")}
     b = {name: np.asarray(getattr(attention, name).bias).reshape(-1) for name in ("q", "k", "v")}

@@ -54,6 +54,8 @@ def imports(module: str) -> set[str]:
 
 
 GRAPH = {module: imports(module) for module in MODULES}
+# the config's pure-data pieces: the checks and the nested configs kept in their own files
+CONFIG_PIECES = {"eqmoe._checks", "eqmoe.rope_scaling", "eqmoe.latent_attention", "eqmoe.linear_attention"}
 
 
 def _reachable(start: str) -> set[str]:
@@ -75,7 +77,7 @@ def test_the_config_is_a_pure_data_leaf():
     """eqmoe.config imports no part, registry, loss or model: registered names are checked where parts are
     looked up (eqmoe.registries.check_names), never inside a config's __post_init__."""
     reached = _reachable("eqmoe.config")
-    assert reached <= {"eqmoe._checks", "eqmoe.rope_scaling", "eqmoe.latent_attention"}, reached
+    assert reached <= CONFIG_PIECES, reached
     for forbidden in ("eqmoe.nn", "eqmoe.losses", "eqmoe.registry", "eqmoe.registries", "eqmoe.model"):
         assert not any(module == forbidden or module.startswith(forbidden + ".") for module in reached)
 
@@ -87,7 +89,7 @@ LAYERS = {
     "eqmoe.params": set(),
     "eqmoe.registry": set(),
     "eqmoe.registries": {"eqmoe.registry"},
-    "eqmoe.config": {"eqmoe._checks", "eqmoe.rope_scaling", "eqmoe.latent_attention"},  # its pure-data pieces
+    "eqmoe.config": CONFIG_PIECES,
     "eqmoe.parallel": {"eqmoe.params"},
     "eqmoe.nn": {
         "eqmoe.nn",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqmoe import parallel
-from eqmoe.checkpoints import quantized
+from eqmoe.checkpoints import fused_experts, quantized
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
@@ -128,7 +128,7 @@ def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...
     if name.columns is not None:
         start, step = name.columns
         return tensor[..., start::step]
-    if name.flat:
+    if name.flat or name.stored is not None:
         return tensor.reshape(piece)
     return tensor.T.reshape(piece) if name.linear_in_dims else tensor
 
@@ -136,6 +136,8 @@ def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...
 def _to_checkpoint_layout(name: TensorName, piece: np.ndarray) -> np.ndarray:
     if name.flat:
         return piece.reshape(-1)
+    if name.stored is not None:
+        return piece.reshape(name.stored)
     if not name.linear_in_dims:
         return piece
     return piece.reshape(math.prod(piece.shape[: name.linear_in_dims]), -1).T
@@ -257,6 +259,7 @@ def load(
         placement = parallel.tree_shardings(abstract, parallelism)
         shardings = {_leaf_path(p): s for p, s in jax.tree_util.tree_leaves_with_path(placement)}
     names = _checkpoint_names(config)
+    files = fused_experts.splitting(files, {name.key for name in names})  # experts stored [E, ...] as one tensor
 
     problems = []
     expected = {name.key for name in names}
@@ -269,8 +272,8 @@ def load(
         elif (kind := files[name.key].dtype(name.key)) not in FLOAT_DTYPES:
             problems.append(f"wrong dtype for {name.key}: expected a float type, found {kind}")
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
-    skipped = families.get(config.family).skipped_keys
-    ignorable |= {key for key in files if any(re.match(pattern, key) for pattern in skipped)}
+    skipped = _skipped(families.get(config.family).skipped_keys, set(files) - expected, folder)
+    ignorable |= skipped
     problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
     if problems:
         raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
@@ -296,6 +299,18 @@ def load(
     return model
 
 
+def _skipped(patterns: tuple[str, ...], unexpected: set[str], folder: Path) -> set[str]:
+    """The tensors of ``unexpected`` that match the family's ``skipped_keys`` (parts of the published files
+    transformers does not load either), listed on one line of stderr by pattern with their counts."""
+    found = {pattern: sorted(key for key in unexpected if re.match(pattern, key)) for pattern in patterns}
+    shown = {pattern: pattern.removeprefix("^").replace("\\", "") for pattern in patterns}
+    shown = {pattern: text if text.endswith("*") else text + "*" for pattern, text in shown.items()}
+    groups = [f"{shown[pattern]} ({len(keys)})" for pattern, keys in found.items() if keys]
+    if groups:
+        print(f"{folder}: skipped (transformers does not load them either): {', '.join(groups)}", file=sys.stderr)
+    return {key for keys in found.values() for key in keys}
+
+
 def _check_duplicates(model: Transformer, duplicates: list[TensorName], files, folder: Path) -> None:
     """Each ``duplicate`` tensor equals the one loaded for its leaf (the copy read the same way), or a one-line
     ``ValueError`` names it: a model holds one embedding and one head, whatever the files repeat."""
@@ -308,12 +323,16 @@ def _check_duplicates(model: Transformer, duplicates: list[TensorName], files, f
 
 def _without_absent_mtp(config: ModelConfig, files, folder: Path) -> ModelConfig:
     """``config`` without its multi-token-prediction layers when the folder holds none of their tensors: DeepSeek-V3's
-    config says ``num_nextn_predict_layers: 1`` in every folder transformers saves, which never holds them."""
-    if not config.mtp_layers or any(key.startswith(f"model.layers.{config.num_layers}.") for key in files):
+    config says ``num_nextn_predict_layers: 1`` in every folder transformers saves, which never holds them (nor does
+    Qwen3.5's ``mtp_num_hidden_layers``). The declared count is kept for the export."""
+    if not config.mtp_layers:
+        return config
+    names = [name.key for name in _checkpoint_names(config) if name.path[0] == "mtp" and not name.duplicate]
+    if any(key in files for key in names):
         return config
     print(
-        f"{folder}: config.json says num_nextn_predict_layers={config.mtp_layers} but the files hold no "
-        f"multi-token-prediction tensors (model.layers.{config.num_layers}.*): loading without them",
+        f"{folder}: config.json declares {config.mtp_layers} multi-token-prediction layer(s) but the files hold none "
+        f"of their tensors ({names[0]}, ...): loading without them",
         file=sys.stderr,
     )
     return config.replace(mtp_layers=0, mtp_layers_declared=config.mtp_layers)

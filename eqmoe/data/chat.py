@@ -52,12 +52,20 @@ def message_text(content: object) -> str:
     return "".join(part.get("text") or "" for part in content or ())
 
 
+_MEDIA = ("image", "image_url", "video", "video_url", "audio", "input_audio")
+
+
 def _check_content(content: object, where: str) -> None:
     if isinstance(content, str):
         return check_no_marks(content, where)
     if not isinstance(content, list | tuple):
         raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
     for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") in _MEDIA:
+            raise ValueError(
+                f"{where}[{j}]: a {part['type']!r} part is not supported; eqmoe's models read text only (a multimodal "
+                "checkpoint's language model), allowed: text parts"
+            )
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f'{where}[{j}]: expected a text part {{"type": "text", "text": ...}}, got {part!r}')
         check_no_marks(part["text"], f"{where}[{j}].text")

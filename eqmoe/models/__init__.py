@@ -9,7 +9,9 @@ from eqmoe.models import (  # noqa: F401 (each registers its family)
     mixtral,
     olmoe,
     qwen2_moe,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from eqmoe.models.family import FAMILIES, Family, get, register
 

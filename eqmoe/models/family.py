@@ -38,14 +38,19 @@ def outer_names(config: ModelConfig) -> list[TensorName]:
     return names
 
 
-def attention_names(prefix: str, block: tuple, repeat: int, config: ModelConfig, kind: LayerKind) -> list[TensorName]:
+def attention_names(
+    prefix: str, block: tuple, repeat: int | None, config: ModelConfig, kind: LayerKind
+) -> list[TensorName]:
     """A decoder layer's two norms and its attention (``prefix``: ``model.layers.{i}.``): the norms in the names
-    transformers' decoders share, the attention's tensors as its kind names them under ``self_attn.``."""
+    transformers' decoders share, the attention's tensors as its kind names them under its module's name
+    (``self_attn.``, ``linear_attn.``). ``repeat``: the block's index in its stacked segment (``None``: not stacked)."""
     attention = ATTENTION_KINDS.get(kind.attention)
+    index = () if repeat is None else (repeat,)
+    module = prefix + attention.hf_module + "."
     return [
-        TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), (repeat,)),
-        TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), (repeat,)),
-        *attention.checkpoint_names(config, kind, prefix + "self_attn.", (*block, "attention"), (repeat,)),
+        TensorName(prefix + "input_layernorm.weight", (*block, "attn_norm", "weight"), index),
+        TensorName(prefix + "post_attention_layernorm.weight", (*block, "pre_norm", "weight"), index),
+        *attention.checkpoint_names(config, kind, module, (*block, "attention"), index),
     ]
 
 

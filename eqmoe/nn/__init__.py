@@ -1,6 +1,6 @@
 """Building blocks of the decoder, one concept per module; importing it registers the built-in parts."""
 
-from eqmoe.nn import attention_backends, dispatch, gqa, mla, mlp, moe, routing_stats  # noqa: F401 (registrations)
+from eqmoe.nn import attention_backends, dispatch, gated_deltanet, gqa, mla, mlp, moe, routing_stats  # noqa: F401 (registrations)
 from eqmoe.nn.block import Block
 from eqmoe.nn.context import AttentionMask, Context, attention_mask, causal_mask
 from eqmoe.nn.experts import RoutedExperts

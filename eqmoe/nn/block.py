@@ -67,12 +67,11 @@ class Block(Layer):
     def __init__(self, kind: LayerKind, config: ModelConfig, *, key: PRNGKeyArray):
         k_attn, k_ffn = jax.random.split(key)
         init, dim, placement = model_init(config), config.embed_dim, config.norm.ffn_placement
-        norm = dict(eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
-        self.attn_norm = RMSNorm(dim, **norm)
+        self.attn_norm = RMSNorm.of(config.norm, dim, init.dtype)
         self.attention = build_attention(config, kind, init=init, key=k_attn)
         norms = PLACEMENTS.get(placement)
-        self.pre_norm = RMSNorm(dim, **norm) if norms.pre_norm else None
-        self.post_norm = RMSNorm(dim, **norm) if norms.post_norm else None
+        self.pre_norm = RMSNorm.of(config.norm, dim, init.dtype) if norms.pre_norm else None
+        self.post_norm = RMSNorm.of(config.norm, dim, init.dtype) if norms.post_norm else None
         self.ffn = build_ffn(config, kind, init=init, key=k_ffn)
         self.kind = kind
         self.placement = placement

@@ -49,7 +49,9 @@ class GroupedQueryAttention(AttentionKind):
     ``k = RMSNorm(RoPE(k))``, scores unscaled. With ``AttentionConfig.bias`` the projections carry biases; the
     norms and ``clip_qkv`` follow them, as in transformers' OLMoE. A sliding layer (``LayerKind.window``) sees
     only its window of keys. With ``AttentionConfig.sinks`` each query head has a learned logit that joins its
-    softmax (gpt-oss, ``sinks``). The scores are computed by ``AttentionConfig.backend``.
+    softmax (gpt-oss, ``sinks``). With ``AttentionConfig.output_gate`` the output is gated per dimension by
+    ``sigmoid`` of the query projection's second half (Qwen3-Next). The scores are computed by
+    ``AttentionConfig.backend``.
     """
 
     q: Linear
@@ -68,7 +70,9 @@ class GroupedQueryAttention(AttentionKind):
         kq, kk, kv, ko = jax.random.split(key, 4)
         biased = attention.bias != "none"
         project = dict(role=Role.ATTENTION, in_axes=("embed",), init=init, bias=biased)
-        self.q = Linear((embed,), (heads, head_dim), out_axes=("heads", "head_dim"), key=kq, **project)
+        # with an output gate each head's query is followed by its gate, as the checkpoint's q_proj holds them
+        query_width = 2 * head_dim if attention.output_gate else head_dim
+        self.q = Linear((embed,), (heads, query_width), out_axes=("heads", "head_dim"), key=kq, **project)
         self.k = Linear((embed,), (kv_heads, head_dim), out_axes=("kv_heads", "head_dim"), key=kk, **project)
         self.v = Linear((embed,), (kv_heads, head_dim), out_axes=("kv_heads", "head_dim"), key=kv, **project)
         self.o = Linear(
@@ -81,11 +85,11 @@ class GroupedQueryAttention(AttentionKind):
             key=ko,
             bias=attention.bias == "qkvo",
         )
-        norm = dict(eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
         whole = attention.qk_norm_scope == "projection"
         with_norm = attention.qk_norm != "none"
-        self.q_norm = RMSNorm(heads * head_dim if whole else head_dim, **norm) if with_norm else None
-        self.k_norm = RMSNorm(kv_heads * head_dim if whole else head_dim, **norm) if with_norm else None
+        norm = lambda width: RMSNorm.of(config.norm, width, init.dtype) if with_norm else None  # noqa: E731
+        self.q_norm = norm(heads * head_dim if whole else head_dim)
+        self.k_norm = norm(kv_heads * head_dim if whole else head_dim)
         sink_key = jax.random.fold_in(key, 1)  # drawn aside: a model without sinks initialises as before
         self.sinks = init.weight(sink_key, (heads,), fan_in=head_dim) if attention.sinks else None
         self.config = attention
@@ -93,14 +97,19 @@ class GroupedQueryAttention(AttentionKind):
 
     def _project(
         self, x: Float[Array, "batch seq embed"], positions: Int[Array, "batch seq"], keys: list | None
-    ) -> tuple[Array, Array, Array]:
+    ) -> tuple[Array, Array, Array, Array | None]:
         """Queries ``[batch, kv_heads, group, seq, head_dim]``, keys and values ``[batch, kv_heads, seq,
-        head_dim]``: normed and rotated (queries pre-scaled with ``after_rope``)."""
+        head_dim]``: normed and rotated (queries pre-scaled with ``after_rope``); and the output gate's logits
+        ``[batch * seq, heads * head_dim]`` (``None`` without one)."""
         # Flat [tokens, embed] matmuls: XLA:CPU's backward pass is much slower on split token axes.
         batch, seq, embed = x.shape
         flat = x.reshape(batch * seq, embed)
         key_q, key_k, key_v = (None, None, None) if keys is None else keys[:3]
         q = self.q(flat, key_q).reshape(batch, seq, *self.q.weight.shape[-2:])
+        gate = None
+        if self.config.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
+            gate = gate.reshape(batch * seq, -1)
         k = self.k(flat, key_k).reshape(batch, seq, *self.k.weight.shape[-2:])
         v = self.v(flat, key_v).reshape(batch, seq, *self.v.weight.shape[-2:])
         config = self.config
@@ -118,7 +127,7 @@ class GroupedQueryAttention(AttentionKind):
             q, k = scale_once(self.q_norm(q), q.shape[-1] ** -0.5), self.k_norm(k)
         kv_heads, head_dim = k.shape[2], k.shape[3]
         q = q.reshape(batch, seq, kv_heads, -1, head_dim).transpose(0, 2, 3, 1, 4)
-        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), gate
 
     def __call__(
         self,
@@ -130,7 +139,7 @@ class GroupedQueryAttention(AttentionKind):
         """With a cache, the new tokens' keys and values are written into slots ``context.cache_index ..`` and
         the queries attend to every slot under ``context.mask``."""
         keys = None if key is None else [jax.random.fold_in(key, i) for i in range(4)]
-        q, k, v = self._project(x, context.positions, keys)
+        q, k, v, gate = self._project(x, context.positions, keys)
         mask = context.mask
         if cache is not None and cache.keys.shape[-2] < mask.key_index.shape[0]:
             k, v, mask, cache = _ring(cache, k, v, mask)
@@ -146,6 +155,8 @@ class GroupedQueryAttention(AttentionKind):
         out = attend(self.config, q, k, v, mask, scale=scale, window=self.window, sinks=sinks)
         batch, _, _, seq, _ = q.shape
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
         return self.o(out, None if keys is None else keys[3]).reshape(batch, seq, -1), cache
 
     @classmethod

@@ -52,9 +52,10 @@ class Cost(NamedTuple):
 
     activations: float  # bytes per token the backward pass keeps (remat none)
     per_step: float = 0.0  # bytes allocated once per step (a kernel's scratch), not per layer
-    flops: float = 0.0  # forward FLOPs per token beyond its parameters' matmuls (attention scores and values)
-    cache: float = 0.0  # bytes per token of its decoding cache (in the compute dtype)
+    flops: float = 0.0  # training (forward + backward) FLOPs per token beyond its parameters' matmuls (scores...)
+    cache: float = 0.0  # bytes per token of its decoding cache (in the compute dtype): what grows with the length
     expanded_cache: float = 0.0  # what a cache of every head's keys and values would hold, where the kind keeps less
+    state: float = 0.0  # bytes per sequence of a decoding state that does not grow with its length (a recurrence's)
 
 
 class AttentionKind(Layer):
@@ -67,6 +68,7 @@ class AttentionKind(Layer):
     """
 
     adapter_group: ClassVar[str] = "attention"
+    hf_module: ClassVar[str] = "self_attn"  # the attribute transformers' decoder layers hold it under
 
     @classmethod
     def build(cls, config: ModelConfig, layer: LayerKind, *, init: Init, key: PRNGKeyArray) -> "AttentionKind":

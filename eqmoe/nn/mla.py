@@ -70,7 +70,7 @@ class LatentAttention(AttentionKind):
         k_q, k_qb, k_kva, k_kvb, k_o = jax.random.split(key, 5)
         biased = attention.bias == "qkvo"
         linear = dict(role=Role.ATTENTION, init=init)
-        norm = dict(eps=latent.norm_eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
+        norm = dict(config=config.norm, dtype=init.dtype, eps=latent.norm_eps)
         per_head = ("heads", "head_dim")
         if latent.q_rank is None:
             self.q = Linear((embed,), (heads, width), in_axes=("embed",), out_axes=per_head, key=k_q, **linear)
@@ -79,13 +79,13 @@ class LatentAttention(AttentionKind):
             self.q = None
             rank = (latent.q_rank,)
             self.q_a = Linear((embed,), rank, in_axes=("embed",), out_axes=("latent",), key=k_q, bias=biased, **linear)
-            self.q_norm = RMSNorm(latent.q_rank, **norm)
+            self.q_norm = RMSNorm.of(dim=latent.q_rank, **norm)
             self.q_b = Linear(rank, (heads, width), in_axes=("latent",), out_axes=per_head, key=k_qb, **linear)
         compressed = (latent.kv_rank + latent.rope_dim,)
         self.kv_a = Linear(
             (embed,), compressed, in_axes=("embed",), out_axes=("latent",), key=k_kva, bias=biased, **linear
         )
-        self.kv_norm = RMSNorm(latent.kv_rank, **norm)
+        self.kv_norm = RMSNorm.of(dim=latent.kv_rank, **norm)
         expanded = (heads, nope + latent.value_dim)
         self.kv_b = Linear((latent.kv_rank,), expanded, in_axes=("latent",), out_axes=per_head, key=k_kvb, **linear)
         self.o = Linear(

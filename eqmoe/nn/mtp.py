@@ -45,8 +45,7 @@ class MTPLayer(Layer):
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         k_proj, k_block = jax.random.split(key)
         init, dim = model_init(config), config.embed_dim
-        norm = dict(eps=config.norm.eps, dtype=init.dtype, stats_dtype=config.norm.stats_dtype)
-        self.enorm, self.hnorm, self.head_norm = RMSNorm(dim, **norm), RMSNorm(dim, **norm), RMSNorm(dim, **norm)
+        self.enorm, self.hnorm, self.head_norm = (RMSNorm.of(config.norm, dim, init.dtype) for _ in range(3))
         self.eh_proj = Linear(
             (2 * dim,), (dim,), role=Role.ATTENTION, in_axes=("mlp",), out_axes=("embed",), init=init, key=k_proj
         )
