@@ -90,6 +90,32 @@ FAMILY_FIELDS = {
 }
 
 
+def _hybrid(micro):
+    """``micro``'s widths as Qwen3-Next lays them out: three gated DeltaNet layers (chunks of 16: two per row of the
+    batch, whose packed documents and padding then cross a chunk) before a gated full-attention layer."""
+    from eqmoe.config import LinearAttentionConfig
+    from eqmoe.models.qwen3_next import hybrid
+
+    attention, moe = micro.attention, micro.moe
+    linear = LinearAttentionConfig(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, chunk_size=16)
+    return hybrid(
+        vocab=micro.vocab_size,
+        embed=micro.embed_dim,
+        layers=4,
+        heads=attention.num_heads,
+        kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        linear=linear,
+        experts=moe.router.num_experts,
+        top_k=moe.router.top_k,
+        expert_dim=moe.expert_dim,
+        shared_dim=moe.expert_dim,
+        mlp_dim=None,
+        theta=1e4,
+        family="qwen3_next",
+    )
+
+
 @pytest.mark.parametrize(
     ("mesh", "variant"),
     [(mesh, "dropless") for mesh in MESHES[1:]]
@@ -99,10 +125,13 @@ FAMILY_FIELDS = {
     + [("data=2,tensor=2,expert=2", "capacity")]
     + [pytest.param(mesh, "capacity", marks=pytest.mark.slow) for mesh in MESHES[:-1]]
     + [("data=2,tensor=2,expert=2", "family-fields")]  # every axis at once; data=2,expert=4 under -m slow
-    + [pytest.param("data=2,expert=4", "family-fields", marks=pytest.mark.slow)],
+    + [pytest.param("data=2,expert=4", "family-fields", marks=pytest.mark.slow)]
+    + [("data=2,tensor=2,expert=2", "hybrid")],  # Qwen3-Next's linear and gated full attention, every axis at once
 )
 def test_one_step_on_a_mesh_matches_one_device(mesh, variant):
     config = presets.get("qwen3-moe-micro")
+    if variant == "hybrid":
+        config = _hybrid(config)
     if variant == "capacity":
         overrides = {"moe.router.strategy": "top2_gating", "moe.router.capacity_factor": 2.0}
         config = apply_overrides(config, {**overrides, "moe.router.num_groups": 2})
