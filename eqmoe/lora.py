@@ -26,9 +26,12 @@ from eqmoe.nn.linear import Linear, LowRank
 from eqmoe.params import Layer
 from eqmoe.registries import ATTENTION_KINDS, FFN_KINDS
 
-# PEFT applies lora_dropout to the adapters of linear maps; it refuses dropout for parameter targets, which is how
-# it adapts routed experts and routers, so those take their inputs undropped.
-_DROPOUT_GROUPS = ("attention", "mlp")
+
+def _dropout_groups() -> set[str]:
+    """The groups whose adapters take dropout: PEFT applies lora_dropout to the adapters of linear maps (every
+    attention kind's matrices, dense FFNs); it refuses dropout for parameter targets, which is how it adapts routed
+    experts and routers, so those take their inputs undropped."""
+    return {cls.adapter_group for _, cls in ATTENTION_KINDS.items()} | {"mlp"}
 
 
 def _linear_fields(cls: type) -> tuple[str, ...]:
@@ -81,8 +84,9 @@ def lora_targets() -> tuple[str, ...]:
 class LoRAConfig:
     """Which weights get adapters and their shape: ``rank``, ``alpha`` (``scale = alpha / rank``), and the
     training-time ``dropout`` on the adapters' inputs. As in PEFT, dropout applies to the adapters of linear maps
-    (attention, dense FFNs); the router's and the routed experts' adapters take their inputs undropped (PEFT
-    refuses ``lora_dropout`` for parameter targets, which is how it adapts those)."""
+    (every attention kind's, linear attention's included, and dense FFNs'); the router's and the routed experts'
+    adapters take their inputs undropped (PEFT refuses ``lora_dropout`` for parameter targets, which is how it adapts
+    those)."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -152,7 +156,7 @@ def _adapter(linear: Linear, group: str, config: LoRAConfig, key: PRNGKeyArray) 
         a=jax.random.uniform(key, (*lead, *in_shape, config.rank), jnp.float32, -bound, bound),
         b=jnp.zeros((*lead, config.rank, *out_shape), jnp.float32),
         scale=config.scale,
-        dropout=config.dropout if group in _DROPOUT_GROUPS else 0.0,
+        dropout=config.dropout if group in _dropout_groups() else 0.0,
         lead_axes=linear.lead_axes,
         in_axes=linear.in_axes,
         out_axes=linear.out_axes,

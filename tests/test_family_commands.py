@@ -20,7 +20,15 @@ peft = pytest.importorskip("peft")
 
 
 def _saver(family: str):
-    from tests import test_deepseek, test_glm4_moe, test_gpt_oss, test_mixtral, test_olmoe, test_qwen2_moe
+    from tests import (
+        test_deepseek,
+        test_glm4_moe,
+        test_gpt_oss,
+        test_mixtral,
+        test_olmoe,
+        test_qwen2_moe,
+        test_qwen3_next_commands,
+    )
 
     families = (
         test_mixtral.MIXTRAL,
@@ -31,7 +39,9 @@ def _saver(family: str):
         test_deepseek.V2,
         test_gpt_oss.GPT_OSS,
     )
-    return {hf_family.name: hf_family.save_tiny for hf_family in families}[family]
+    # Qwen3-Next and the multimodal Qwen3.5 folder (its language model's fields in text_config)
+    savers = {hf_family.name: hf_family.save_tiny for hf_family in families} | test_qwen3_next_commands.SAVERS
+    return savers[family]
 
 
 def _logits(model, ids: np.ndarray) -> np.ndarray:
@@ -58,21 +68,26 @@ TARGETS = {
     "deepseek_v3": ("attention", "experts"),
     "deepseek_v2": ("attention", "experts"),
     "gpt_oss": ("attention", "experts"),
+    "qwen3_next": ("attention", "linear_attention", "experts"),
+    "qwen3_5_moe": ("attention", "linear_attention", "experts"),
 }
+# transformers' initializer_range: gpt-oss's saver scales the matrices by 5 after transformers initialises them
+# (tests/test_gpt_oss.perturb); the hybrid families' linear attention sums over every earlier token
+SPREAD = {"gpt_oss": 0.06, "qwen3_next": 0.1, "qwen3_5_moe": 0.1}
 
 
 @pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")  # PEFT's, spurious
 # The commands are the same code for every family; what is a family's own (its field map, names, numbers) each
 # family's parity and round-trip tests cover. One family runs them by default, gpt-oss (sinks, sliding layers, expert
 # biases, and its fused interleaved gate_up_proj in PEFT's layout); every family with -m slow (DeepSeek-V3's latent
-# attention: its cache in tests/test_deepseek.py, its LoRA run and exports in tests/test_fp8_lora.py).
+# attention: its cache in tests/test_deepseek.py, its LoRA run and exports in tests/test_fp8_lora.py; Qwen3-Next's and
+# Qwen3.5's linear attention: every command but the training run in tests/test_qwen3_next_commands.py).
 @pytest.mark.parametrize(
     "family",
     [family if family == "gpt_oss" else pytest.param(family, marks=pytest.mark.slow) for family in TARGETS],
 )
 def test_every_family_converts_checks_generates_and_fine_tunes(family, tmp_path, capsys):
-    # gpt-oss's saver scales the matrices by 5 after transformers initialises them (tests/test_gpt_oss.perturb)
-    spread = 0.06 if family == "gpt_oss" else 0.3
+    spread = SPREAD.get(family, 0.3)
     _saver(family)(tmp_path / "hf", vocab_size=300, num_hidden_layers=2, initializer_range=spread, eos_token_id=1)
     _word_tokenizer(tmp_path / "hf" / "tokenizer.json", 300)
     assert hf.read_config(tmp_path / "hf").family == family

@@ -1,13 +1,15 @@
 """LoRA adapters as a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) that
 ``peft.PeftModel.from_pretrained`` puts on the transformers model of the base folder.
 
-Attention q/k/v/o are PEFT ``target_modules`` with the usual ``<module>.lora_A.weight [r, in]`` /
-``lora_B.weight [out, r]``. Everything else is a ``target_parameters`` entry (PEFT's adapters on
-``nn.Parameter``s; same two tensors for a matrix): PEFT rewrites ``gate_proj``/``up_proj``/``down_proj`` module
-targets of MoE models into fused-expert targets, which would drop a dense layer's FFN adapters, and the router is
-not an ``nn.Linear`` in transformers. transformers holds a layer's experts fused as
-``experts.gate_up_proj [experts, 2 * expert_dim, embed]`` and ``experts.down_proj [experts, embed, expert_dim]``,
-and PEFT keeps one adapter per expert inside one pair of matrices (``lora_A [experts * r, in]``, row
+The matrices of every attention kind (q/k/v/o; the linear attention's ``in_proj_qkvz``, ``in_proj_ba`` or
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` and ``out_proj``) are PEFT ``target_modules``, named by
+their attention module and their own (``self_attn.q_proj``, ``linear_attn.in_proj_qkvz``), with the usual
+``<module>.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``. Everything else is a ``target_parameters`` entry
+(PEFT's adapters on ``nn.Parameter``s; same two tensors for a matrix): PEFT rewrites
+``gate_proj``/``up_proj``/``down_proj`` module targets of MoE models into fused-expert targets, which would drop a
+dense layer's FFN adapters, and the router is not an ``nn.Linear`` in transformers. transformers holds a layer's
+experts fused as ``experts.gate_up_proj [experts, 2 * expert_dim, embed]`` and ``experts.down_proj [experts, embed,
+expert_dim]``, and PEFT keeps one adapter per expert inside one pair of matrices (``lora_A [experts * r, in]``, row
 ``e * r + k``; ``lora_B [out, r * experts]``, column ``k * experts + e``). eqmoe's separate gate and up
 adapters become one adapter of rank ``2r`` on the fused matrix (the two stacked, block-diagonal in ``B``), the
 same update exactly; ``rank_pattern``/``alpha_pattern`` keep its scale ``alpha / r``. A family whose files hold the
@@ -15,6 +17,9 @@ experts fused already (gpt-oss: ``gate_up_proj [experts, embed, 2 * expert_dim]`
 :class:`~eqmoe.tensor_names.TensorName` carries ``columns``) puts each side's ``B`` on the columns its name says.
 PEFT nests the wrappers of two parameters of one module: the first parameter (``gate_up_proj``) sits under
 ``base_layer``.
+
+The names are the modules of the model ``AutoModelForCausalLM`` builds from the base folder: a multimodal folder's
+language model (files ``model.language_model.*``, Qwen3.5's) is what its causal-LM class holds as ``model.*``.
 """
 
 import json
@@ -29,11 +34,24 @@ from safetensors.numpy import save_file
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.hf import _checkpoint_names, _get
 from eqmoe.model import Transformer
+from eqmoe.nn.kinds import AttentionKind
 from eqmoe.nn.linear import ExpertLinear, Linear
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 _PREFIX = "base_model.model."
+# (file prefix, module prefix): how a causal-LM class holds what a multimodal folder's files name (transformers'
+# PrefixChange on loading Qwen3.5's folders into Qwen3_5MoeForCausalLM)
+_CAUSAL_LM_PREFIXES = (("model.language_model.", "model."),)
+
+
+def _module(key: str) -> str:
+    """The module name in the causal-LM model of the checkpoint tensor ``key`` (its ``.weight`` removed)."""
+    key = key.removesuffix(".weight")
+    for stored, held in _CAUSAL_LM_PREFIXES:
+        if key.startswith(stored):
+            return held + key[len(stored) :]
+    return key
 
 
 def _factors(a: np.ndarray, b: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,16 +101,17 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         rank, scale, dropout = adapter.rank, adapter.scale, max(dropout, adapter.dropout)
         part = _get(model, name.path[:-2])
         if not isinstance(linear, ExpertLinear):  # one matrix per layer
-            module = name.key.removesuffix(".weight")
+            module = _module(name.key)
             lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
             tensors[f"{_PREFIX}{module}.lora_A.weight"] = lora_a
             tensors[f"{_PREFIX}{module}.lora_B.weight"] = lora_b
-            if getattr(part, "adapter_group", None) == "attention":
-                modules.add(module.rsplit(".", 1)[-1])
+            owner = ".".join(module.split(".")[-2:])  # self_attn.q_proj, linear_attn.out_proj, mlp.gate_proj
+            if isinstance(part, AttentionKind):  # transformers' nn.Linear of the attention module
+                modules.add(owner)
             else:  # PEFT renames listed gate/up/down_proj modules of MoE models to fused-expert targets
-                parameters.add(".".join(module.split(".")[-2:]) + ".weight")
+                parameters.add(owner + ".weight")
         elif len(name.index) == 1 or name.index[1] == 0:  # routed experts: the stack at its first (or only) name
-            module = name.key.split(".experts.")[0] + ".experts"
+            module = _module(name.key.split(".experts.")[0]) + ".experts"
             slot = experts.setdefault((module, name.path[:-2], name.index[0]), {})
             slot[name.path[-2] + "_"] = (np.asarray(a[name.index[0]]), np.asarray(b[name.index[0]]), name.columns)
     for (module, _, _), members in experts.items():
