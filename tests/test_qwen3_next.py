@@ -55,7 +55,7 @@ QWEN3_NEXT = shared.Family("qwen3_next", transformers.Qwen3NextForCausalLM, {**T
 QWEN3_5 = shared.Family("qwen3_5_moe_text", transformers.Qwen3_5MoeForCausalLM, TEXT, perturb)
 FAMILIES = {"qwen3_next": QWEN3_NEXT, "qwen3_5_moe_text": QWEN3_5}
 CASES = {
-    # transformers' defaults: every 4th layer full attention
+    # transformers' defaults: every 4th layer full attention (-m slow where the irregular case covers its code)
     "qwen3_next": (QWEN3_NEXT, {}),
     # an irregular layout with a dense layer and one key head per two value heads
     "qwen3_next-irregular": (
@@ -71,7 +71,18 @@ CASES = {
 }
 
 
-@pytest.fixture(params=list(CASES), name="saved")
+SLOW = pytest.mark.slow  # the same code runs in the case left in the default suite
+
+
+def _cases(slow: tuple[str, ...]) -> list:
+    return [pytest.param(name, marks=SLOW) if name in slow else name for name in CASES]
+
+
+def _families(slow: tuple[str, ...]) -> list:
+    return [pytest.param(name, marks=SLOW) if name in slow else name for name in FAMILIES]
+
+
+@pytest.fixture(params=_cases(slow=("qwen3_next",)), name="saved")
 def saved_fixture(request, tmp_path):
     family, overrides = CASES[request.param]
     family.save_tiny(tmp_path, seed=len(request.param), **overrides)
@@ -84,14 +95,14 @@ def test_logits_match_transformers(saved):
     shared.assert_logits_match(family.reference(folder), hf.load(folder))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", _families(slow=("qwen3_5_moe_text",)))
 def test_loss_and_aux_loss_match_transformers(tmp_path, name):
     family = FAMILIES[name]
     family.save_tiny(tmp_path, seed=3, router_aux_loss_coef=0.02)
     shared.assert_loss_and_aux_loss_match(family.reference(tmp_path), hf.load(tmp_path), weight=0.02)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases(slow=("qwen3_next",)))
 def test_gradients_of_every_parameter_match_torch(tmp_path, case):
     """On right-padded rows of 64 tokens (one of them shorter than a chunk of 64 after its padding): every projection,
     the convolution, ``A_log``, ``dt_bias``, the gated norm and the zero-centred norms."""
@@ -270,7 +281,7 @@ def _generate_both(model, reference, prompt: np.ndarray, mask: np.ndarray, new: 
     return ours, theirs
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", _families(slow=("qwen3_5_moe_text",)))
 def test_greedy_generation_from_the_recurrent_state_equals_transformers(tmp_path, name):
     """A 70-token prompt (a chunk and a partial one), a left-padded row, then 12 tokens one at a time from the
     convolution window and the recurrent state."""
