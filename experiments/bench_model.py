@@ -1,14 +1,17 @@
-"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE and gpt-oss, same weights, same batch.
+"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE, gpt-oss and Qwen3-Next, same weights and
+batch.
 
     python -m experiments.bench_model                                   # the Qwen3-MoE shapes, forward and train
     python -m experiments.bench_model --shape small-train --repeats 3   # one row, one pass
     python -m experiments.bench_model --shape wide --breakdown          # + attention / MoE / dense / norm / head
     python -m experiments.bench_model --shape long --seq-len 2048 --json-out model.json
     python -m experiments.bench_model --shape gpt-oss --breakdown       # + sliding vs full attention layers
+    python -m experiments.bench_model --shape qwen3-next --breakdown    # + one linear layer at 2k, 8k and 32k tokens
 
-Each row builds a random ``transformers.Qwen3MoeForCausalLM`` or ``GptOssForCausalLM`` (eager attention and
-experts, float32), saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference|
-on the batch must be below ``--logit-tolerance`` before anything is timed. Passes:
+Each row builds a random ``transformers.Qwen3MoeForCausalLM``, ``GptOssForCausalLM`` or ``Qwen3NextForCausalLM``
+(eager attention and experts, float32; Qwen3-Next's gated delta rule and convolution on transformers' torch path),
+saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch must be
+below ``--logit-tolerance`` before anything is timed. Passes:
 
 - ``forward``: the logits of the batch (torch under ``inference_mode``; eqmoe jitted, as ``batch_loss``
   calls the model: one packed segment, all tokens real).
@@ -27,7 +30,10 @@ components on the row's shapes, forward and forward+backward (the gradient of ``
 random ``g``, w.r.t. the inputs and parameters); there ``ratio`` = transformers ms / eqmoe ms. In a model whose
 layers differ in window (gpt-oss) the attention of its first sliding and of its first full layer are timed apart,
 and one more line gives eqmoe's sliding / full attention time: the blockwise kernel never visits the tiles outside
-a window, while transformers' eager attention computes every score and masks the rest.
+a window, while transformers' eager attention computes every score and masks the rest. In a hybrid model (Qwen3-Next)
+the attention of its first linear (gated DeltaNet) and of its first full layer are timed apart, and its linear layer is
+also timed alone at ``--linear-lengths`` tokens per row (forward+backward, eqmoe only): its time per token and XLA's
+compiled temporary bytes should stay flat as the length grows (the chunked delta rule is linear in it).
 """
 
 import copy
@@ -52,6 +58,8 @@ from eqmoe.nn import dispatch
 from experiments._cli import UsageError, guarded
 from experiments.options import DispatchOption, JsonFileOptions
 
+LINEAR = "gated_deltanet"  # the linear-attention kind: Qwen3-Next's gated DeltaNet layers
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -68,10 +76,13 @@ class Shape:
     vocab: int
     batch: int
     seq: int
-    family: Literal["qwen3_moe", "gpt_oss"] = "qwen3_moe"
-    """The transformers model: Qwen3-MoE, or gpt-oss (sinks, biases, clamped SwiGLU, sliding and full layers)."""
+    family: Literal["qwen3_moe", "gpt_oss", "qwen3_next"] = "qwen3_moe"
+    """The transformers model: Qwen3-MoE, gpt-oss (sinks, biases, clamped SwiGLU, sliding and full layers) or
+    Qwen3-Next (gated DeltaNet linear layers and gated full attention, a shared expert)."""
     window: int | None = None
     """gpt-oss: the window of its sliding layers (every even layer, as transformers alternates them)."""
+    linear_heads: tuple[int, int] | None = None
+    """Qwen3-Next: the linear layers' key heads and value heads, each of ``head_dim`` (every 4th layer is full)."""
 
     def model_key(self) -> tuple:
         return dataclasses.astuple(dataclasses.replace(self, batch=0, seq=0))
@@ -85,21 +96,28 @@ _WIDE = dict(layers=2, embed=512, heads=8, kv_heads=4, head_dim=64, experts=32, 
 # every layer, sliding or not: on a 2-core, 23 GiB machine its train step took 38 s (59 s the first), the process
 # peaked at 13.8 GiB and ``--shape gpt-oss --breakdown --repeats 3`` took 12 minutes.
 _GPT_OSS = dict(layers=2, embed=512, heads=8, kv_heads=1, head_dim=64, experts=32, top_k=4, expert_dim=512, vocab=2048)
+# Qwen3-Next-80B-A3B's proportions: three gated DeltaNet layers and one full-attention layer (its 48 as 12 x 4), query
+# heads 4 per key/value head (its 16:2 is 8), the linear layers' value heads twice their key heads (its 32:16), many
+# experts a quarter as wide as the model (its 512 of 512 at 2048), top-4 and a shared expert as wide.
+_QWEN3_NEXT = dict(
+    layers=4, embed=256, heads=4, kv_heads=1, head_dim=64, experts=32, top_k=4, expert_dim=64, vocab=2048
+)
 SHAPES = {
     "small": Shape(**_SMALL, batch=8, seq=256),
     "wide": Shape(**_WIDE, batch=4, seq=1024),
     "long": Shape(**_WIDE, batch=1, seq=4096),  # the "wide" model
     "gpt-oss": Shape(**_GPT_OSS, batch=1, seq=8192, family="gpt_oss", window=128),
+    "qwen3-next": Shape(**_QWEN3_NEXT, batch=1, seq=2048, family="qwen3_next", linear_heads=(2, 4)),
 }
-DEFAULT_ROWS = ("small", "wide", "long")  # gpt-oss's 12 minutes run when asked for
+DEFAULT_ROWS = ("small", "wide", "long")  # gpt-oss's 12 minutes and qwen3-next run when asked for
 PASSES = ("forward", "train")
 
 
 @dataclass(frozen=True)
 class Args(DispatchOption, JsonFileOptions):
     shape: tuple[str, ...] = ()
-    """Rows to run: small, wide, long, gpt-oss, or NAME-PASS for one pass (e.g. small-train); default small, wide
-    and long."""
+    """Rows to run: small, wide, long, gpt-oss, qwen3-next, or NAME-PASS for one pass (e.g. small-train); default
+    small, wide and long."""
     layers: int | None = None
     """Override the decoder layers of every selected row."""
     embed: int | None = None
@@ -127,8 +145,10 @@ class Args(DispatchOption, JsonFileOptions):
     repeats: int = 5
     """Timed calls per side and measurement (the median is reported), in two blocks alternating with the other side."""
     breakdown: bool = False
-    """Also time the components (attention, sliding and full apart where layers differ, MoE, equal-FLOP dense
-    SwiGLU, RMSNorm, embed+head+loss)."""
+    """Also time the components (attention, sliding or linear and full apart where layers differ, MoE, equal-FLOP
+    dense SwiGLU, RMSNorm, embed+head+loss); with linear layers also one of them alone at --linear-lengths."""
+    linear_lengths: tuple[int, ...] = (2048, 8192, 32768)
+    """Tokens per row at which --breakdown times one linear (gated DeltaNet) layer alone, forward+backward."""
     hf_adamw: Literal["default", "foreach", "fused"] = "default"
     """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
     logit_tolerance: float = 1e-3
@@ -237,10 +257,13 @@ def build_models(shape: Shape, seed: int):
 
     from eqmoe.checkpoints import hf
 
-    gpt_oss = shape.family == "gpt_oss"
-    config = _gpt_oss_config(shape) if gpt_oss else _qwen3_moe_config(shape)
+    config, model_class = {
+        "qwen3_moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
+        "gpt_oss": (_gpt_oss_config, transformers.GptOssForCausalLM),
+        "qwen3_next": (_qwen3_next_config, transformers.Qwen3NextForCausalLM),
+    }[shape.family]
+    config = config(shape)
     torch.manual_seed(seed)
-    model_class = transformers.GptOssForCausalLM if gpt_oss else transformers.Qwen3MoeForCausalLM
     reference = model_class(config).eval()
     _perturb_off_init(reference)
     with tempfile.TemporaryDirectory(prefix="bench_model_") as folder:
@@ -292,6 +315,29 @@ def _gpt_oss_config(shape: Shape):
         num_local_experts=shape.experts,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
         sliding_window=shape.window,
+    )
+
+
+def _qwen3_next_config(shape: Shape):
+    """Qwen3NextConfig at the shape's sizes: every 4th layer full attention (its ``full_attention_interval``), the
+    linear layers' heads ``linear_heads`` of ``head_dim``, a shared expert as wide as the routed ones; its own
+    defaults otherwise (a quarter of each head rotated, theta 10000)."""
+    import transformers
+
+    key_heads, value_heads = shape.linear_heads or (shape.kv_heads, shape.heads)
+    return transformers.Qwen3NextConfig(
+        **_shared_fields(shape),
+        moe_intermediate_size=shape.expert_dim,
+        shared_expert_intermediate_size=shape.expert_dim,
+        num_experts=shape.experts,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=shape.head_dim,
+        linear_value_head_dim=shape.head_dim,
+        max_position_embeddings=max(shape.seq, 4096),
     )
 
 
@@ -389,8 +435,9 @@ def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
 
 def _decays(name: str) -> bool:
     """eqmoe's decay rule (``eqmoe.train.optimizer.decays``) on a transformers parameter name: no decay on norm
-    scales and biases; gpt-oss's sinks decay as eqmoe's do."""
-    return not name.endswith(("norm.weight", "bias"))
+    scales and biases (Qwen3-Next's ``dt_bias`` and ``A_log`` are biases there); gpt-oss's sinks decay as eqmoe's
+    do."""
+    return not name.endswith(("norm.weight", "bias", "A_log"))
 
 
 # --- components (--breakdown) ------------------------------------------------------------------------
@@ -423,7 +470,12 @@ def eqmoe_block(model, layer: int):
 def attention_layers(config) -> dict[str, int]:
     """The layers whose attention the breakdown times, by component name: layer 0 (``attention``) or, where some
     layers slide and some attend fully, the first of each (``attention_sliding``, ``attention_full``): their costs
-    differ by the window, so one layer would speak for half the model."""
+    differ by the window, so one layer would speak for half the model. Likewise a hybrid model's first linear layer
+    (``attention_linear``) and first full one."""
+    linear = [i for i, kind in enumerate(config.layers) if kind.attention == LINEAR]
+    if linear:
+        full = [i for i, kind in enumerate(config.layers) if kind.attention != LINEAR]
+        return {"attention_linear": linear[0], **({"attention_full": full[0]} if full else {})}
     windows = [kind.window for kind in config.layers]
     sliding = [i for i, window in enumerate(windows) if window is not None]
     full = [i for i, window in enumerate(windows) if window is None]
@@ -472,6 +524,11 @@ def attention_component(name: str, index: int, shape: Shape, model, reference, x
 
     block, layer = eqmoe_block(model, index), reference.model.layers[index]
     ours, const = eqmoe_attention_sublayer(block, shape)
+    if model.config.layers[index].attention == LINEAR:  # no positions, no mask: every token real, one document
+        return Component(
+            name, ours, (block.attn_norm, block.attention, x), const,
+            lambda norm, attn, x: attn(norm(x)), (layer.input_layernorm, layer.linear_attn, x_t), (),
+        )  # fmt: skip
     position_ids = torch.arange(shape.seq)[None].expand(shape.batch, -1)
     with torch.no_grad():
         rope = reference.model.rotary_emb(x_t, position_ids=position_ids)
@@ -600,6 +657,55 @@ def time_component(component: Component, repeats: int, rng: np.random.Generator)
     return results
 
 
+def linear_scaling(name: str, shape: Shape, model, lengths: tuple[int, ...], repeats: int, seed: int) -> list[dict]:
+    """The first linear layer's attention sub-layer (norm, then gated DeltaNet) alone at each of ``lengths`` tokens
+    per row (``shape.batch`` rows): forward+backward, the gradient of ``sum(out * g)`` w.r.t. the input and the
+    parameters, jitted; the median of ``repeats`` calls after an untimed one, per token, and XLA's compiled
+    temporary bytes. ``[]`` for a model without linear layers."""
+    layer = attention_layers(model.config).get("attention_linear")
+    if layer is None:
+        return []
+    block, rng = eqmoe_block(model, layer), np.random.default_rng(seed)
+    entries = []
+    for seq in lengths:
+        ours, const = eqmoe_attention_sublayer(block, dataclasses.replace(shape, seq=seq))
+        x, g = (jnp.asarray(rng.standard_normal((shape.batch, seq, shape.embed), np.float32)) for _ in range(2))
+        backward = eqx.filter_jit(eqx.filter_grad(lambda diff, const, g, ours=ours: jnp.sum(ours(diff, const) * g)))
+        started = time.perf_counter()
+        compiled = backward.lower((block.attn_norm, block.attention, x), const, g).compile()  # once, also timed
+        compile_s = time.perf_counter() - started
+        diff = (block.attn_norm, block.attention, x)
+        jax.block_until_ready(compiled(diff, const, g))  # the untimed call
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(compiled(diff, const, g))
+            times.append(time.perf_counter() - started)
+        seconds, tokens = statistics.median(times), shape.batch * seq
+        temp = compiled.compiled.memory_analysis().temp_size_in_bytes
+        entries.append(
+            {"shape": name, "layer": layer, "tokens": tokens, "batch": shape.batch, "seq": seq}
+            | {"eqmoe_ms": seconds * 1e3, "us_per_token": seconds / tokens * 1e6, "compile_s": compile_s}
+            | {"temp_bytes": temp, "temp_bytes_per_token": temp / tokens}
+        )
+        del compiled, diff, x, g
+    for entry in entries:
+        entry["per_token_over_first"] = entry["us_per_token"] / entries[0]["us_per_token"]
+        entry["temp_per_token_over_first"] = entry["temp_bytes_per_token"] / entries[0]["temp_bytes_per_token"]
+    return entries
+
+
+def _linear_scaling_table(entries: list[dict]) -> str:
+    cells = [
+        [e["shape"], str(e["layer"]), f"{e['batch']}x{e['seq']}", f"{e['eqmoe_ms']:.1f}", f"{e['us_per_token']:.2f}"]
+        + [f"{e['per_token_over_first']:.2f}", f"{e['temp_bytes'] / 2**20:,.1f}", f"{e['temp_bytes_per_token']:,.0f}"]
+        + [f"{e['temp_per_token_over_first']:.2f}"]
+        for e in entries
+    ]
+    header = ["shape", "layer", "tokens", "fwd+bwd ms", "us/token", "vs first", "temp MiB", "temp B/token", "vs first"]
+    return _table(header, cells)
+
+
 # --- the benchmark -----------------------------------------------------------------------------------
 
 
@@ -626,7 +732,7 @@ def run(args: Args) -> dict:
         + " ".join(f"{x:.2f}" for x in info["load_average_at_start"])
     )
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
-    results["sliding_over_full"] = []
+    results["sliding_over_full"], results["linear_scaling"] = [], []
     built: tuple = (None, None, None)
     for name, shape, passes in rows:
         if built[0] != shape.model_key():
@@ -690,6 +796,8 @@ def run(args: Args) -> dict:
             ]
             results["breakdown"] += entries
             results["sliding_over_full"] += sliding_over_full(name, shape, entries)
+            lengths, seed = args.linear_lengths, args.seed + 3
+            results["linear_scaling"] += linear_scaling(name, shape, model, lengths, args.repeats, seed)
 
     info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
     header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
@@ -706,6 +814,12 @@ def run(args: Args) -> dict:
         print("ratio = transformers ms / eqmoe ms (> 1: eqmoe faster); max |diff| of the forward outputs")
     for ratio in results["sliding_over_full"]:
         print(_sliding_over_full_line(ratio))
+    if results["linear_scaling"]:
+        print("\n" + _linear_scaling_table(results["linear_scaling"]))
+        print(
+            "one linear (gated DeltaNet) layer alone, norm included, forward+backward; vs first = per token over the "
+            "row's shortest length (flat: linear in the length); temp = XLA's compiled temporary bytes"
+        )
     print("load average at the end:", " ".join(f"{x:.2f}" for x in info["load_average_at_end"]))
     if args.json_out is not None:
         from eqmoe.train.logging import write_json_atomic

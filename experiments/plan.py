@@ -102,6 +102,7 @@ def plan(args: Args) -> list[dict]:
                 "cache_bytes_per_token": dict(
                     zip(("kept", "expanded"), planning.cache_bytes_per_token(config), strict=True)
                 ),
+                "decoding_cache": _decoding_cache(planning.decoding_cache(config, args.seq_len)),
                 "compiled": None,
                 "compile_error": None,
             }
@@ -123,10 +124,32 @@ def plan(args: Args) -> list[dict]:
     return rows
 
 
-def _cache(bytes_per_token: dict) -> str:
-    kept, expanded = bytes_per_token["kept"], bytes_per_token["expanded"]
+def _decoding_cache(cache) -> dict:
+    """One sequence's decoding cache (``eqmoe.analysis.plan.DecodingCache``) as the JSON record holds it."""
+    return {
+        "seq": cache.seq,
+        "bytes_per_token": round(cache.per_token),
+        "expanded_bytes_per_token": round(cache.expanded_per_token),
+        "state_bytes_per_sequence": round(cache.state),
+        "bytes_per_sequence": round(cache.total),
+        "expanded_bytes_per_sequence": round(cache.expanded_total),
+        "growing_layers": cache.growing_layers,
+        "state_layers": cache.state_layers,
+    }
+
+
+def _cache(cache: dict) -> str:
+    """The decoding cache of one sequence: what grows with its length and what does not."""
+    kept, expanded = cache["bytes_per_token"], cache["expanded_bytes_per_token"]
     line = f"decoding cache {kept:,} bytes/token"
-    return line if kept == expanded else f"{line} ({expanded:,} with every head's keys and values expanded)"
+    if kept != expanded:
+        line += f" ({expanded:,} with every head's keys and values expanded)"
+    if cache["state_bytes_per_sequence"]:
+        line += (
+            f" in {cache['growing_layers']} layers + {cache['state_bytes_per_sequence']:,} bytes/sequence of "
+            f"recurrent state in {cache['state_layers']} layers (any length)"
+        )
+    return line + f": {cache['bytes_per_sequence'] / 2**20:,.1f} MiB per {cache['seq']:,}-token sequence"
 
 
 def _frozen(args: Args, frozen: dict) -> str | None:
@@ -172,7 +195,7 @@ def table(args: Args, rows: list[dict]) -> str:
         line = (
             f"{'':<29}model FLOPs/token {flops['total_params']:.3e} (all params) {flops['active_params']:.3e} "
             f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {args.peak_tflops} "
-            f"TFLOP/s x {row['devices']} devices; {_cache(row['cache_bytes_per_token'])}"
+            f"TFLOP/s x {row['devices']} devices; {_cache(row['decoding_cache'])}"
         )
         if c is not None:
             xla = "-" if c["flops"] is None else f"{c['flops'] * row['devices'] / (args.batch_size * args.seq_len):.3e}"

@@ -23,7 +23,9 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     assert results["machine"]["cpu_count"] >= 1 and results["machine"]["jax_backend"]
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("small", "forward"), ("small", "train")]
     for row in results["rows"]:
-        assert row["config"] == {**TINY, "batch": 2, "seq": 16, "family": "qwen3_moe", "window": None}
+        assert row["config"] == {**TINY, "batch": 2, "seq": 16, "family": "qwen3_moe", "window": None} | {
+            "linear_heads": None
+        }
         assert row["logit_max_abs_diff"] < 1e-3
         for field in ("eqmoe_ms", "hf_ms", "eqmoe_tokens_per_s", "hf_tokens_per_s", "eqmoe_compile_s"):
             assert row[field] > 0, field
@@ -36,7 +38,7 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     for entry in results["breakdown"]:
         assert entry["eqmoe_ms"] > 0 and entry["hf_ms"] > 0 and math.isfinite(entry["ratio"])
         assert entry["max_abs_diff"] < 1e-4, entry  # the same weights compute the same component
-    assert results["sliding_over_full"] == []  # every layer attends fully
+    assert results["sliding_over_full"] == [] and results["linear_scaling"] == []  # every layer attends fully
 
 
 # -m slow (32 s): the bench's machinery is the Qwen row's test above; gpt-oss's numbers are tests/test_gpt_oss.py's and
@@ -60,7 +62,14 @@ def test_gpt_oss_row_times_its_sliding_and_full_attention_apart(tmp_path):
 
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("gpt-oss", "forward")]
     for row in results["rows"]:
-        assert row["config"] == {**shape, "batch": 1, "seq": 64, "family": "gpt_oss", "window": 16}
+        assert row["config"] == {
+            **shape,
+            "batch": 1,
+            "seq": 64,
+            "family": "gpt_oss",
+            "window": 16,
+            "linear_heads": None,
+        }
         assert row["logit_max_abs_diff"] < 1e-3 and row["eqmoe_ms"] > 0 and row["hf_ms"] > 0
 
     by_name = {(entry["component"], entry["pass"]): entry for entry in results["breakdown"]}
@@ -99,11 +108,78 @@ def test_shape_selection_and_overrides():
     both = ("forward", "train")
     assert [(name, passes) for name, _, passes in rows] == [("wide", both), ("small", both)]
     assert all(shape.seq == 64 for _, shape, _ in rows)
-    # gpt-oss's 1 x 8,192 row (12 minutes here) runs when asked for
+    # gpt-oss's 1 x 8,192 row (12 minutes here) and qwen3-next's run when asked for
     assert [name for name, _, _ in bench_model.selected_rows(bench_model.Args())] == ["small", "wide", "long"]
+    [(name, shape, passes)] = bench_model.selected_rows(bench_model.Args(shape=("qwen3-next-train",)))
+    assert (name, passes, shape.family, shape.linear_heads) == ("qwen3-next", ("train",), "qwen3_next", (2, 4))
     assert bench_model.main(bench_model.Args(shape=("huge",))) == 2
 
     [(name, shape, passes)] = bench_model.selected_rows(bench_model.Args(shape=("gpt-oss-train",), window=64))
     assert (name, passes, shape.family, shape.window) == ("gpt-oss", ("train",), "gpt_oss", 64)
     assert bench_model.main(bench_model.Args(shape=("gpt-oss-sideways",))) == 2
     assert bench_model.main(bench_model.Args(shape=("small",), window=64)) == 2  # no sliding layers to resize
+
+
+# -m slow (about 60 s: transformers' torch delta rule, compiling each side): the bench's machinery is the Qwen row's
+# test above, the linear layer's sweep test_linear_layer_is_timed_alone_at_each_length, and the numbers
+# tests/test_qwen3_next.py's
+@pytest.mark.slow
+def test_qwen3_next_row_times_its_linear_and_full_attention_apart(tmp_path):
+    out = tmp_path / "bench.json"
+    shape = dict(TINY, layers=4)  # three linear layers, one full
+    args = bench_model.Args(
+        shape=("qwen3-next",),
+        **shape,
+        batch_size=1,
+        seq_len=64,
+        repeats=1,
+        breakdown=True,
+        linear_lengths=(64, 128),
+        json_out=out,
+    )
+    assert bench_model.main(args) == 0
+    results = json.loads(out.read_text())
+
+    assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("qwen3-next", "forward"), ("qwen3-next", "train")]
+    for row in results["rows"]:
+        assert row["config"] == {**shape, "batch": 1, "seq": 64, "family": "qwen3_next", "window": None} | {
+            "linear_heads": [2, 4]
+        }
+        assert row["logit_max_abs_diff"] < 1e-3 and row["eqmoe_ms"] > 0 and row["hf_ms"] > 0
+    by_name = {(entry["component"], entry["pass"]): entry for entry in results["breakdown"]}
+    for name in ("attention_linear", "attention_full"):
+        for pass_name in ("forward", "fwd+bwd"):
+            entry = by_name[name, pass_name]
+            assert entry["eqmoe_ms"] > 0 and entry["hf_ms"] > 0 and entry["max_abs_diff"] < 1e-4, entry
+    assert [entry["seq"] for entry in results["linear_scaling"]] == [64, 128]
+
+
+def test_linear_layer_is_timed_alone_at_each_length():
+    """The breakdown's sweep of one gated DeltaNet layer: per length its fwd+bwd time per token and XLA's temporary
+    bytes, and both per token over the shortest length's."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from eqmoe.config import LinearAttentionConfig
+    from eqmoe.model import Transformer
+    from eqmoe.models.qwen3_next import hybrid
+
+    linear = LinearAttentionConfig(key_heads=1, value_heads=2, key_head_dim=8, value_head_dim=8, projection="grouped")
+    config = hybrid(
+        vocab=64, embed=32, layers=4, heads=2, kv_heads=1, head_dim=16, linear=linear, experts=4, top_k=2,
+        expert_dim=16, shared_dim=16, mlp_dim=None, theta=1e4, family="qwen3_next",
+    ).replace(dtype="float32", param_dtype="float32")  # fmt: skip
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))  # building it eagerly takes 10 s
+    rng = np.random.default_rng(0)
+    model = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    assert bench_model.attention_layers(config) == {"attention_linear": 0, "attention_full": 3}
+    shape = bench_model.Shape(**dict(TINY, layers=4), batch=2, seq=16, family="qwen3_next", linear_heads=(1, 2))
+    entries = bench_model.linear_scaling("qwen3-next", shape, model, (64, 256), repeats=2, seed=0)
+    assert [(e["layer"], e["batch"], e["seq"], e["tokens"]) for e in entries] == [(0, 2, 64, 128), (0, 2, 256, 512)]
+    for entry in entries:
+        assert entry["eqmoe_ms"] > 0 and entry["temp_bytes"] > 0 and entry["compile_s"] > 0
+        assert entry["us_per_token"] == pytest.approx(entry["eqmoe_ms"] * 1e3 / entry["tokens"])
+        assert entry["temp_bytes_per_token"] == pytest.approx(entry["temp_bytes"] / entry["tokens"])
+    assert entries[0]["per_token_over_first"] == 1.0 and entries[0]["temp_per_token_over_first"] == 1.0
+    assert entries[1]["temp_per_token_over_first"] < 1.5  # a quadratic term would be 4x here

@@ -79,3 +79,103 @@ def test_plan_says_whether_a_step_fits_one_device(capsys):
     assert plan_cli.main(dataclasses.replace(args, preset="qwen3-moe-micro", device_gib=80.0, json=True)) == 0
     fits = json.loads(capsys.readouterr().out)[0]["fits"]
     assert fits == {"device_gib": 80.0, "analytic": True, "compiled": None}
+
+
+# --- hybrid linear attention (Qwen3-Next) -------------------------------------------------------------------------
+
+
+def _tiny_hybrid():
+    """Qwen3-Next's layout at toy widths: three gated DeltaNet layers (scanned), then full attention."""
+    from eqmoe.config import LinearAttentionConfig
+    from eqmoe.config_io import apply_overrides
+    from eqmoe.models.qwen3_next import hybrid
+
+    linear = LinearAttentionConfig(key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=16, projection="grouped")
+    config = hybrid(
+        vocab=128, embed=64, layers=4, heads=2, kv_heads=1, head_dim=32, linear=linear, experts=4, top_k=2,
+        expert_dim=32, shared_dim=32, mlp_dim=None, theta=1e4, family="qwen3_next",
+    )  # fmt: skip
+    return apply_overrides(config.replace(dtype="float32", param_dtype="float32"), {"attention.backend": "blockwise"})
+
+
+def test_hybrid_decoding_cache_grows_only_through_its_full_attention_layers():
+    """Qwen3-Next-80B: 12 full-attention layers keep keys and values per token, 36 linear layers a convolution window
+    and a float32 state per sequence; doubling the length doubles only the keys and values."""
+    config = presets.get("qwen3-next-80b-a3b").replace(dtype="bfloat16")
+    linear = config.attention.linear
+    kv_per_token = 12 * 2 * 2 * 2 * 256  # layers x (keys, values) x kv heads x bf16 bytes x head_dim
+    state = 36 * (2 * (linear.conv_kernel - 1) * linear.conv_channels + 4 * 32 * 128 * 128)
+    short, long = plan.decoding_cache(config, 4096), plan.decoding_cache(config, 8192)
+    assert (short.per_token, short.state, short.growing_layers, short.state_layers) == (kv_per_token, state, 12, 36)
+    assert (long.per_token, long.state) == (short.per_token, short.state)
+    assert long.total - long.state == 2 * (short.total - short.state)
+    assert long.total == short.total + 4096 * kv_per_token
+    assert plan.cache_bytes_per_token(config) == (kv_per_token, kv_per_token)  # the state is no per-token figure
+    assert state == 77_266_944  # 2.1 MB per linear layer and sequence, whatever its length
+
+
+def test_hybrid_activations_are_linear_in_length_and_its_flops_independent_of_it():
+    config = presets.get("qwen3-next-80b-a3b").replace(dtype="bfloat16")
+    linear_layers = [i for i, layer in enumerate(config.layers) if layer.attention == "gated_deltanet"]
+    assert len(linear_layers) == 36
+    costs = {seq: plan.layer_costs(config, plan.PlanShape(1, seq, 2)) for seq in (4096, 8192, 32768)}
+    for i in linear_layers:
+        attention = [costs[seq][i][0] for seq in costs]
+        assert len({(c.activations, c.flops, c.cache, c.state) for c in attention}) == 1  # per token: no length in it
+        assert attention[0].cache == 0 and attention[0].state > 0
+        # once per step: the chunked cotangents, per token, and one chunk's [C, C] matrices
+        assert [c.per_step for c in attention] == pytest.approx(
+            [attention[0].per_step * seq / 4096 for seq in costs], rel=0.01
+        )
+    p = _one_device()
+    one, two, four = (plan.estimate(config, p, 1, seq).activations for seq in (4096, 8192, 16384))
+    # affine in the length, no quadratic term (what does not grow: the MoE dispatch's padding blocks, the blockwise
+    # attention's [rows, H, B, B] tile, the chunk's [C, C] matrices)
+    assert four - two == pytest.approx(2 * (two - one), rel=1e-9)
+
+
+def test_linear_attention_forward_flops_are_what_xla_counts_for_one_chunk():
+    """The planner's count, a quarter of its training FLOPs, against XLA's cost analysis of the chunked delta rule
+    on one chunk of one head (the scan's body runs once, so XLA counts it exactly): within 5% (XLA also counts the
+    element-wise work, the decays and masks, that the analytic count leaves out)."""
+    import jax
+    import jax.numpy as jnp
+
+    from eqmoe.config import LinearAttentionConfig
+    from eqmoe.nn.delta_rule import chunked_delta_rule
+    from eqmoe.nn.gated_deltanet import GatedDeltaNet
+
+    linear = LinearAttentionConfig(key_heads=1, value_heads=1, key_head_dim=128, value_head_dim=128)
+    base = presets.get("qwen3-next-80b-a3b")
+    config = base.replace(attention=dataclasses.replace(base.attention, linear=linear))
+    chunk = linear.chunk_size
+    cost = GatedDeltaNet.plan(config, config.layers[0], plan.PlanShape(1, chunk, 4))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = (f32(1, chunk, 1, 128), f32(1, chunk, 1, 128), f32(1, chunk, 1, 128), f32(1, chunk, 1), f32(1, chunk, 1))
+    # a given incoming state: a zero one would let XLA drop its products
+    rule = lambda *x: chunked_delta_rule(*x[:5], initial_state=x[5], chunk_size=chunk)  # noqa: E731
+    compiled = jax.jit(rule).lower(*args, f32(1, 1, 128, 128)).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
+    assert cost.flops / 4 * chunk == pytest.approx(analysis["flops"], rel=0.05)
+
+
+def test_hybrid_estimate_agrees_with_xla_within_15_percent():
+    """The gated DeltaNet layers' activations, calibrated as the other kinds' on XLA:CPU."""
+    config, p = _tiny_hybrid(), _one_device()
+    estimate = plan.estimate(config, p, 16, 128)
+    compiled = plan.compile_step(config, p, 16, 128)
+    assert estimate.argument == pytest.approx(compiled.argument, rel=0.01)
+    assert estimate.peak == pytest.approx(compiled.argument + compiled.temp, rel=0.15)
+
+
+def test_plan_cli_plans_qwen3_next_with_its_recurrent_state(capsys):
+    args = plan_cli.Args(preset="qwen3-next-80b-a3b", seq_len=4096, batch_size=1, dtype="bfloat16", compile=False)
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "decoding cache 24,576 bytes/token in 12 layers + 77,266,944 bytes/sequence of recurrent state" in out, out
+    assert plan_cli.main(dataclasses.replace(args, json=True)) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    cache = row["decoding_cache"]
+    assert cache["bytes_per_sequence"] == 4096 * 24_576 + 77_266_944 and cache["state_layers"] == 36
+    assert row["cache_bytes_per_token"] == {"kept": 24_576, "expanded": 24_576}

@@ -18,6 +18,9 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   (calibrated on XLA:CPU); the ``dense`` attention backend keeps ``10 H T`` more (float32 scores and
   probabilities, 8 H T, and about 2 H T more XLA keeps beside them). Blockwise attention adds, once per
   step, its float32 query-gradient buffer ``4 H hd`` per token and about one float32 ``[rows, H, B, B]`` tile;
+  a gated DeltaNet (linear attention) layer keeps a length-independent amount per token (its projections,
+  convolution taps, float32 chunked inputs and one float32 state per chunk: ``GatedDeltaNet.plan``) and adds once
+  per step its float32 chunked cotangents;
   MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
   ``c * (2 D + 3 M)``; plus the output layer ``4 * 2 V`` per token (logits and their gradient: with the
   flat output matmul XLA keeps no third copy).
@@ -29,7 +32,13 @@ Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward mat
 values counted over the full ``T``), with ``N_active`` the parameters a token touches (embedding lookup
 excluded): its top-k experts only. Blockwise attention computes only the causal tiles, a fraction
 ``(n + 1) / 2n`` of them for ``n`` blocks, but recomputes the scores in its backward pass: its attention
-term is ``14 L_attn H hd T (n + 1) / 2n``.
+term is ``14 L_attn H hd T (n + 1) / 2n``. A linear-attention layer adds its chunked delta rule's products (the
+chunk's ``[C, C]`` ones, its triangular system's inverse, the state's), per token independent of ``T``, four times
+the forward: its chunks are recomputed in the backward pass (``GatedDeltaNet.plan``).
+
+Decoding cache (:func:`decoding_cache`): each attention kind's keys and values per token (``Cost.cache``) times the
+length, plus each recurrent layer's state per sequence (``Cost.state``: a linear-attention layer's convolution window
+and float32 state, the same at any length).
 """
 
 import math
@@ -265,10 +274,46 @@ def active_parameters(config: ModelConfig) -> tuple[int, int]:
 def cache_bytes_per_token(config: ModelConfig) -> tuple[int, int]:
     """Bytes the decoding cache holds per token in the compute dtype, summed over layers: each attention kind's own
     figure (grouped-query keys and values ``2 Hkv hd``; latent attention its latent and shared rotated key), and
-    what caching every head's keys and values would take instead (the same for a kind that keeps them)."""
+    what caching every head's keys and values would take instead (the same for a kind that keeps them). A recurrent
+    layer's state does not grow with the length: it is :func:`decoding_cache`'s ``state``, not counted here."""
     shape = PlanShape(1, 1, jnp.dtype(config.dtype).itemsize)
     costs = [ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape) for layer in config.layers]
     return round(sum(c.cache for c in costs)), round(sum(c.expanded_cache or c.cache for c in costs))
+
+
+class DecodingCache(NamedTuple):
+    """The decoding cache of one sequence of ``seq`` tokens, in bytes."""
+
+    seq: int
+    per_token: float  # keys and values per token, summed over the layers that keep them (a ring: its share)
+    expanded_per_token: float  # the same with every head's keys and values (latent attention keeps less)
+    state: float  # per sequence whatever its length: the recurrent layers' states (linear attention)
+    growing_layers: int  # layers whose cache grows with the length
+    state_layers: int  # layers that keep a state of fixed size
+
+    @property
+    def total(self) -> float:
+        """Bytes per sequence of ``seq`` tokens."""
+        return self.seq * self.per_token + self.state
+
+    @property
+    def expanded_total(self) -> float:
+        return self.seq * self.expanded_per_token + self.state
+
+
+def decoding_cache(config: ModelConfig, seq: int) -> DecodingCache:
+    """The decoding cache of one ``seq``-token sequence from each attention kind's ``plan``: ``Cost.cache`` bytes per
+    token (keys and values, a sliding ring only its window's) and ``Cost.state`` bytes per sequence."""
+    shape = PlanShape(1, seq, jnp.dtype(config.dtype).itemsize)
+    costs = [ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape) for layer in config.layers]
+    return DecodingCache(
+        seq=seq,
+        per_token=float(sum(c.cache for c in costs)),
+        expanded_per_token=float(sum(c.expanded_cache or c.cache for c in costs)),
+        state=float(sum(c.state for c in costs)),
+        growing_layers=sum(c.cache > 0 for c in costs),
+        state_layers=sum(c.state > 0 for c in costs),
+    )
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:

@@ -185,6 +185,8 @@ class GroupedQueryAttention(AttentionKind):
             config.embed_dim,
         )
         kept = c * (4 * d + 2 * (heads + 2 * kv) * hd + heads * hd) + 4 * heads
+        if attention.output_gate:  # the gate's logits and the gated output
+            kept += c * 2 * heads * hd
         keys = shape.seq if layer.window is None else min(shape.seq, layer.window)
         # a ring keeps the window's keys whatever the length: per token of a max_len cache, window / max_len of them
         cached = c * 2 * kv * hd
