@@ -138,7 +138,11 @@ def test_bad_templates_fail_with_the_reason(tmp_path, case):
             r"\[0\]\.role='bot' is invalid; allowed: system \| user \| assistant \| tool",
         ),
         ([{"role": "user"}], r"\[0\]: missing 'content'"),
-        ([{"role": "user", "content": [{"type": "image", "url": "x"}]}], "expected a text part"),
+        (
+            [{"role": "user", "content": [{"type": "image", "url": "x"}]}],
+            r"content\[0\]: a 'image' part is not supported",
+        ),
+        ([{"role": "user", "content": [{"type": "audio_clip", "url": "x"}]}], "expected a text part"),
         ([{"role": "user", "content": "x", "tool_calls": []}], "only assistant messages have tool_calls"),
         ([{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}], "tool_calls\\[0\\]"),
         ([], "the conversation is empty"),
