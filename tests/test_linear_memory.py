@@ -9,6 +9,7 @@ term would show here as 16x.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 
 from eqmoe.config import LinearAttentionConfig
 from eqmoe.config_io import apply_overrides
@@ -58,6 +59,9 @@ def _temp_bytes(config, seq: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+# -m slow (about 30 s: three compiles of the whole model): the delta rule's own memory is checked linear in
+# tests/test_delta_rule.py, the planner's estimate of the model's in tests/test_plan.py (hybrid, linear in length)
+@pytest.mark.slow
 def test_hybrid_training_memory_grows_linearly_with_the_length():
     config = _config()
     assert [layer.attention for layer in config.layers] == ["gated_deltanet"] * 3 + ["gqa"]
