@@ -38,8 +38,12 @@ def _reference_columns(config: ModelConfig, row: ParamRow) -> dict[str, str]:
 
 
 def _repeated(config: ModelConfig) -> int:
-    """The parameters a checkpoint repeats per multi-token-prediction layer: the embedding and output head."""
-    return config.mtp_layers * config.vocab_size * config.embed_dim * (1 if config.tie_embeddings else 2)
+    """The parameters a checkpoint repeats for its multi-token-prediction layers (DeepSeek-V3's files repeat the
+    embedding and output head per layer; Qwen3-Next's share them): its name map's ``duplicate`` tensors."""
+    if not config.mtp_layers:
+        return 0
+    repeated = [name for name in models.get(config.family).checkpoint_names(config) if name.duplicate]
+    return len(repeated) * config.vocab_size * config.embed_dim
 
 
 def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: int) -> str:
@@ -69,7 +73,7 @@ def format_table(config: ModelConfig, rows: list[ParamRow], total: int, active: 
         with_copies = mtp + _repeated(config)
         lines.append(
             f"mtp    {mtp:>{width},}  (multi-token-prediction layers, not in total or active; {with_copies:,} in "
-            "the files, which repeat the embedding and head they share)"
+            "the files" + (", which repeat the embedding and head they share)" if with_copies > mtp else ")")
         )
     return "\n".join(lines)
 

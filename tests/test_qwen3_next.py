@@ -454,7 +454,7 @@ def test_published_configs_read_as_the_presets_listing_what_transformers_ignores
             lambda: _qwen3_5_published()["text_config"],
             transformers.Qwen3_5MoeTextConfig,
             transformers.Qwen3_5MoeForCausalLM,
-            None,
+            34_660_610_688,
         ),
     ],
 )
