@@ -34,6 +34,11 @@ a window, while transformers' eager attention computes every score and masks the
 the attention of its first linear (gated DeltaNet) and of its first full layer are timed apart, and its linear layer is
 also timed alone at ``--linear-lengths`` tokens per row (forward+backward, eqmoe only): its time per token and XLA's
 compiled temporary bytes should stay flat as the length grows (the chunked delta rule is linear in it).
+
+Against the limit: each row's model FLOPs (:mod:`eqmoe.analysis.flops`: a forward pass, or three for a train step;
+top-k experts, causal attention at ``(T + 1) / 2`` keys, no recomputation) over its median time, in GFLOP/s and as
+the fraction of this machine's float32 matmul peak, the median of 5 ``[--peak-size]^2`` ``jnp.dot`` products
+timed in the same process (both frameworks' rows are divided by the same peak).
 """
 
 import copy
@@ -54,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
+from eqmoe.analysis import flops
 from eqmoe.nn import dispatch
 from experiments._cli import UsageError, guarded
 from experiments.options import DispatchOption, JsonFileOptions
@@ -149,6 +155,8 @@ class Args(DispatchOption, JsonFileOptions):
     dense SwiGLU, RMSNorm, embed+head+loss); with linear layers also one of them alone at --linear-lengths."""
     linear_lengths: tuple[int, ...] = (2048, 8192, 32768)
     """Tokens per row at which --breakdown times one linear (gated DeltaNet) layer alone, forward+backward."""
+    peak_size: int = 4096
+    """The square float32 matmul (median of 5) whose rate is this machine's peak in the table."""
     hf_adamw: Literal["default", "foreach", "fused"] = "default"
     """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
     logit_tolerance: float = 1e-3
@@ -731,6 +739,8 @@ def run(args: Args) -> dict:
         f"({info['torch_threads']} threads), transformers {info['transformers']}; load average "
         + " ".join(f"{x:.2f}" for x in info["load_average_at_start"])
     )
+    info["matmul_peak_gflops"] = 1e3 * flops.measure_peak_tflops(args.peak_size)
+    print(f"matmul peak: {info['matmul_peak_gflops']:.1f} GFLOP/s (float32 {args.peak_size}^2 jnp.dot, median of 5)")
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
     built: tuple = (None, None, None)
@@ -771,8 +781,15 @@ def run(args: Args) -> dict:
                 ours = _eqmoe_train(model, batch, args.seed)
                 timing = interleaved(ours, _hf_train(reference, ids_t, args.hf_adamw), args.repeats)
                 del ours
+            per_token = flops.forward_flops_per_token(model.config, shape.seq)
+            model_gflop = tokens * per_token * (1 if pass_name == "forward" else 3) / 1e9
             results["rows"].append(
                 {
+                    "model_gflop": model_gflop,
+                    "eqmoe_gflops": model_gflop / timing["eqmoe_s"],
+                    "hf_gflops": model_gflop / timing["hf_s"],
+                    "eqmoe_of_peak": model_gflop / timing["eqmoe_s"] / info["matmul_peak_gflops"],
+                    "hf_of_peak": model_gflop / timing["hf_s"] / info["matmul_peak_gflops"],
                     "shape": name,
                     "config": dataclasses.asdict(shape),
                     "pass": pass_name,
@@ -801,8 +818,10 @@ def run(args: Args) -> dict:
 
     info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
     header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
-    print("\n" + _table([*header, "HF first s"], [_row_cells(r) for r in results["rows"]]))
+    header += ["HF first s", "eqmoe GFLOP/s", "of peak", "HF of peak"]
+    print("\n" + _table(header, [_row_cells(r) for r in results["rows"]]))
     print("ratio = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe faster); medians of", args.repeats, "calls")
+    print(f"of peak = model FLOPs per second / the {info['matmul_peak_gflops']:.1f} GFLOP/s matmul peak measured above")
     if results["breakdown"]:
         cells = [
             [b["shape"], b["component"], b["pass"], f"{b['eqmoe_ms']:.2f}", f"{b['hf_ms']:.2f}", f"{b['ratio']:.2f}"]
@@ -863,6 +882,9 @@ def _row_cells(row: dict) -> list[str]:
         f"{row['ratio']:.2f}",
         f"{row['eqmoe_compile_s']:.2f}",
         f"{row['hf_first_call_s']:.2f}",
+        f"{row['eqmoe_gflops']:.1f}",
+        f"{100 * row['eqmoe_of_peak']:.1f}%",
+        f"{100 * row['hf_of_peak']:.1f}%",
     ]
 
 

@@ -16,9 +16,19 @@ TINY = dict(layers=1, embed=32, heads=2, kv_heads=1, head_dim=16, experts=4, top
 
 def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     out = tmp_path / "bench.json"
-    args = bench_model.Args(shape=("small",), **TINY, batch_size=2, seq_len=16, repeats=1, breakdown=True, json_out=out)
+    args = bench_model.Args(
+        shape=("small",), **TINY, batch_size=2, seq_len=16, repeats=1, breakdown=True, json_out=out, peak_size=256
+    )
     assert bench_model.main(args) == 0
     results = json.loads(out.read_text())
+    peak = results["machine"]["matmul_peak_gflops"]
+    assert peak > 0
+    for row in results["rows"]:  # model FLOPs over the median time, and that over the measured peak
+        assert row["eqmoe_gflops"] == pytest.approx(row["model_gflop"] / row["eqmoe_ms"] * 1e3)
+        assert row["eqmoe_of_peak"] == pytest.approx(row["eqmoe_gflops"] / peak)
+        assert row["hf_of_peak"] == pytest.approx(row["model_gflop"] / row["hf_ms"] * 1e3 / peak)
+    forward, train = results["rows"]
+    assert train["model_gflop"] == pytest.approx(3 * forward["model_gflop"])
 
     assert results["machine"]["cpu_count"] >= 1 and results["machine"]["jax_backend"]
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("small", "forward"), ("small", "train")]

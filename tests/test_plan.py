@@ -160,6 +160,9 @@ def test_linear_attention_forward_flops_are_what_xla_counts_for_one_chunk():
     assert cost.flops / 4 * chunk == pytest.approx(analysis["flops"], rel=0.05)
 
 
+# -m slow (15 s: compiles a hybrid model's train step): the linear kind's terms are the two tests above, its FLOPs
+# checked against XLA's, the planner's machinery against XLA by test_train_step_memory_is_linear_in_sequence_length
+@pytest.mark.slow
 def test_hybrid_estimate_agrees_with_xla_within_15_percent():
     """The gated DeltaNet layers' activations, calibrated as the other kinds' on XLA:CPU."""
     config, p = _tiny_hybrid(), _one_device()

@@ -26,14 +26,20 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
     args = _tiny(out, steps=50, tracker=("jsonl", "tensorboard", "wandb"))
-    pretrain.run(dataclasses.replace(args, run=dataclasses.replace(args.run, eval_every=25, checkpoint_every=50)))
+    run = dataclasses.replace(args.run, eval_every=25, checkpoint_every=50, peak_tflops=0.5)
+    pretrain.run(dataclasses.replace(args, run=run))
     records = [r for r in _records(out) if "loss" in r]
     assert [r["step"] for r in records] == list(range(2, 51, 2))
+    for r in records:  # the compute rates: model FLOPs per token times tokens/s, over the given peak
+        assert r["model_flops_per_token"] == records[0]["model_flops_per_token"] > 0
+        assert r["tflops_per_device"] == pytest.approx(r["tokens_per_second"] * r["model_flops_per_token"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5)
 
     events = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "eval_loss", "load_cv"):
+    rates = ("tokens_per_second", "mfu", "tflops_per_device", "model_flops_per_token")
+    for tag in ("loss", "learning_rate", "grad_norm", *rates, "eval_loss", "load_cv"):
         assert tag in tags, tag
     layers = len(records[0]["load_cv_by_layer"])
     assert {f"load_cv_by_layer/layer_{i:02d}" for i in range(layers)} <= tags

@@ -28,13 +28,12 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
 
-Model FLOPs per token: ``6 N_active + 12 L_attn H hd T`` (forward + backward matmuls, attention scores and
-values counted over the full ``T``), with ``N_active`` the parameters a token touches (embedding lookup
-excluded): its top-k experts only. Blockwise attention computes only the causal tiles, a fraction
-``(n + 1) / 2n`` of them for ``n`` blocks, but recomputes the scores in its backward pass: its attention
-term is ``14 L_attn H hd T (n + 1) / 2n``. A linear-attention layer adds its chunked delta rule's products (the
-chunk's ``[C, C]`` ones, its triangular system's inverse, the state's), per token independent of ``T``, four times
-the forward: its chunks are recomputed in the backward pass (``GatedDeltaNet.plan``).
+Model FLOPs per token (:mod:`eqmoe.analysis.flops`, the count training logs and ``bench_model`` take MFU from):
+``6 N_active`` plus three times each attention kind's forward count (grouped-query attention ``4 H hd`` per visible
+key, ``(T + 1) / 2`` keys on a causal row), with ``N_active`` the parameters a token touches (embedding lookup
+excluded): its top-k experts only; recomputation is not counted. The kinds' ``Cost.flops`` are what their kernels
+execute (blockwise attention's causal tiles and recomputed scores, ``14 H hd T (n + 1) / 2n``; a linear-attention
+layer's chunks four times), the figure an estimate of step time would use.
 
 Decoding cache (:func:`decoding_cache`): each attention kind's keys and values per token (``Cost.cache``) times the
 length, plus each recurrent layer's state per sequence (``Cost.state``: a linear-attention layer's convolution window
@@ -50,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from eqmoe import parallel
+from eqmoe.analysis import flops
 from eqmoe.config import ModelConfig, segments
 from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
@@ -317,9 +317,7 @@ def decoding_cache(config: ModelConfig, seq: int) -> DecodingCache:
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
-    """``(total-parameter, active-parameter)`` training FLOPs per token: ``6 N`` for the parameters' matmuls plus
-    each attention kind's own count of its scores and values (see its ``plan``)."""
-    total, active = active_parameters(config)
-    shape = PlanShape(1, seq, jnp.dtype(config.dtype).itemsize)
-    attention = sum(ATTENTION_KINDS.get(layer.attention).plan(config, layer, shape).flops for layer in config.layers)
-    return float(6 * total + attention), float(6 * active + attention)
+    """``(every expert, top-k experts)`` model FLOPs of a training step per token (:mod:`eqmoe.analysis.flops`:
+    three forward passes of ``2 N`` plus each attention kind's own count; no recomputation)."""
+    every = 3 * flops.forward_flops_per_token(config, seq, every_expert=True)
+    return float(every), float(flops.model_flops_per_token(config, seq))

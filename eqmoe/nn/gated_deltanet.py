@@ -249,12 +249,22 @@ class GatedDeltaNet(AttentionKind):
         kept = bytes_ * (2 * config.embed_dim + (c.conv_kernel + 3) * channels + 5 * heads * dv + 2 * heads)
         kept += 4 * (4 * c.key_heads * dk + chunked + 2 * heads * dv) + 4 * heads * dk * dv / chunk
         per_step = shape.tokens * padded * 4 * 2 * (chunked + heads * dv) + 4 * shape.rows * heads * 4 * chunk**2
+        flops = 4 * cls.forward_flops(config, layer, shape.seq)
+        state = bytes_ * (c.conv_kernel - 1) * channels + 4 * heads * dk * dv
+        return Cost(kept, per_step, flops=flops, state=state)
+
+    @classmethod
+    def forward_flops(cls, config: ModelConfig, layer: LayerKind, seq: int, causal: bool = True) -> float:
+        """The chunked delta rule's products per token (:meth:`plan` lists them), the same causal or not: a
+        recurrence sees only the past."""
+        c = config.attention.linear
+        dk, dv = c.key_head_dim, c.value_head_dim
+        chunk = min(c.chunk_size, seq)
+        padded = -(-seq // chunk) * chunk / seq  # chunked tokens per token
         n = 1 << (chunk - 1).bit_length()
         inverse = (2 * n * (n * n - 1) / 3 + (n.bit_length() - 1) * n * n / 2) / chunk
         forward = 4 * chunk * dk + 2 * chunk * dv + 6 * dk * dv + inverse + 2 * chunk * (dk + dv)
-        flops = 4 * heads * padded * forward
-        state = bytes_ * (c.conv_kernel - 1) * channels + 4 * heads * dk * dv
-        return Cost(kept, per_step, flops=flops, state=state)
+        return c.value_heads * padded * forward
 
     @classmethod
     def checkpoint_names(

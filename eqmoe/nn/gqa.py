@@ -12,7 +12,7 @@ from eqmoe.nn._init import Init
 from eqmoe.nn.attention_backends import attend, scale_once
 from eqmoe.nn.context import AttentionMask, Context
 from eqmoe.nn.flash import tile_size
-from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape
+from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape, keys_seen
 from eqmoe.nn.linear import Linear
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope, rope_tables
@@ -200,6 +200,12 @@ class GroupedQueryAttention(AttentionKind):
         visible = (blocks + 1) / (2 * blocks) if layer.window is None else min(1.0, (keys + tile) / shape.seq)
         per_step = shape.tokens * 4 * heads * hd + 4 * shape.rows * heads * tile * tile
         return Cost(kept, per_step, flops=14 * heads * hd * shape.seq * visible, cache=cached)
+
+    @classmethod
+    def forward_flops(cls, config: ModelConfig, layer: LayerKind, seq: int, causal: bool = True) -> float:
+        """Scores ``q . k`` and the values' weighted sum, ``2 hd`` FLOPs each per head and visible key."""
+        attention = config.attention
+        return 4 * attention.num_heads * attention.head_dim * keys_seen(seq, layer.window, causal)
 
     @classmethod
     def checkpoint_names(

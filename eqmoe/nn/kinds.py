@@ -58,6 +58,16 @@ class Cost(NamedTuple):
     state: float = 0.0  # bytes per sequence of a decoding state that does not grow with its length (a recurrence's)
 
 
+def keys_seen(seq: int, window: int | None, causal: bool) -> float:
+    """The keys a query of a ``seq``-token row sees on average: every one (``causal=False``), ``(seq + 1) / 2``
+    (causal), or with a sliding ``window`` ``min(t + 1, window)`` averaged over the positions ``t``."""
+    if not causal:
+        return float(seq)
+    if window is None or window >= seq:
+        return (seq + 1) / 2
+    return (window * (window + 1) / 2 + (seq - window) * window) / seq
+
+
 class AttentionKind(Layer):
     """The base of the registered attention kinds (grouped-query attention, :mod:`eqmoe.nn.gqa`, is the first).
 
@@ -88,6 +98,14 @@ class AttentionKind(Layer):
     @classmethod
     def plan(cls, config: ModelConfig, layer: LayerKind, shape: PlanShape) -> Cost:
         raise NotImplementedError(f"attention kind {cls.__name__} has no planner estimate")
+
+    @classmethod
+    def forward_flops(cls, config: ModelConfig, layer: LayerKind, seq: int, causal: bool = True) -> float:
+        """Model FLOPs per token of one forward pass beyond its parameters' matmuls (``2 N`` counts those): the
+        scores and values over the keys a query of a ``seq``-token row sees (``causal``: ``(seq + 1) / 2`` on
+        average, a window's fewer; ``False``: all ``seq``, what a kernel computing every pair does). A kind without
+        its own count is credited a third of its planner's training FLOPs (forward and backward)."""
+        return cls.plan(config, layer, PlanShape(1, seq, 4)).flops / 3
 
     @classmethod
     def checkpoint_names(

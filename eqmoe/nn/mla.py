@@ -26,7 +26,7 @@ from eqmoe.config import AttentionConfig, LayerKind, ModelConfig
 from eqmoe.nn._init import Init
 from eqmoe.nn.attention_backends import attend
 from eqmoe.nn.context import Context
-from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape
+from eqmoe.nn.kinds import AttentionKind, Cost, PlanShape, keys_seen
 from eqmoe.nn.linear import Linear
 from eqmoe.nn.norm import RMSNorm
 from eqmoe.nn.rope import apply_rope, rope_tables, yarn_softmax_scale
@@ -217,6 +217,14 @@ class LatentAttention(AttentionKind):
         per_step = shape.tokens * 4 * heads * width + 4 * shape.rows * heads * tile * tile
         flops = 3.5 * pair * shape.seq * (blocks + 1) / (2 * blocks)
         return Cost(kept, per_step, flops=flops, cache=cache, expanded_cache=expanded_cache)
+
+    @classmethod
+    def forward_flops(cls, config: ModelConfig, layer: LayerKind, seq: int, causal: bool = True) -> float:
+        """Scores over the query/key width and values over ``value_dim``, per head and visible key (the training
+        step's expanded form; absorbed decoding trades them for the latent's)."""
+        attention = config.attention
+        per_key = 2 * attention.num_heads * (attention.head_dim + attention.latent.value_dim)
+        return per_key * keys_seen(seq, layer.window, causal)
 
     @classmethod
     def checkpoint_names(

@@ -70,7 +70,7 @@ def _step_of(line: str) -> int | float:
 
 
 class Progress:
-    """Training progress: a tqdm bar (step, loss, tokens/s, learning rate, ETA) on a terminal, a plain line per
+    """Training progress: a tqdm bar (step, loss, tokens/s, MFU, learning rate, ETA) on a terminal, a plain line per
     logged step otherwise (CI logs)."""
 
     def __init__(self, total_steps: int, start_step: int = 0, *, enabled: bool = True):
@@ -81,16 +81,17 @@ class Progress:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", file=sys.stderr)
 
-    def update(self, step: int, loss: float, tokens_per_second: float, learning_rate: float) -> None:
+    def update(
+        self, step: int, loss: float, tokens_per_second: float, learning_rate: float, mfu: float | None = None
+    ) -> None:
         if not self.enabled:
             return
+        rate = f"{tokens_per_second:,.0f} tok/s" + ("" if mfu is None else f" (MFU {100 * mfu:.1f}%)")
         if self.bar is None:
-            line = f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  lr {learning_rate:.2e}"
+            line = f"step {step}/{self.total}  loss {loss:.4f}  {rate}  lr {learning_rate:.2e}"
             print(line, file=sys.stderr, flush=True)
             return
-        self.bar.set_postfix_str(
-            f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  lr {learning_rate:.2e}", refresh=False
-        )
+        self.bar.set_postfix_str(f"loss {loss:.4f}  {rate}  lr {learning_rate:.2e}", refresh=False)
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
