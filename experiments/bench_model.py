@@ -35,7 +35,7 @@ the attention of its first linear (gated DeltaNet) and of its first full layer a
 also timed alone at ``--linear-lengths`` tokens per row (forward+backward, eqmoe only): its time per token and XLA's
 compiled temporary bytes should stay flat as the length grows (the chunked delta rule is linear in it).
 
-Against the limit: each row's model FLOPs (:mod:`eqmoe.analysis.flops`: a forward pass, or three for a train step;
+Against the limit: each row's model FLOPs (:mod:`eqmoe.flops`: a forward pass, or three for a train step;
 top-k experts, causal attention at ``(T + 1) / 2`` keys, no recomputation) over its median time, in GFLOP/s and as
 the fraction of this machine's float32 matmul peak, the median of 5 ``[--peak-size]^2`` ``jnp.dot`` products
 timed in the same process (both frameworks' rows are divided by the same peak).
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe.analysis import flops
+from eqmoe import flops
 from eqmoe.nn import dispatch
 from experiments._cli import UsageError, guarded
 from experiments.options import DispatchOption, JsonFileOptions

@@ -1,4 +1,4 @@
-"""The analytic FLOP count (:mod:`eqmoe.analysis.flops`) against XLA's count of the same forward pass, and the MFU
+"""The analytic FLOP count (:mod:`eqmoe.flops`) against XLA's count of the same forward pass, and the MFU
 arithmetic the training logs carry."""
 
 import equinox as eqx
@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqmoe import Transformer, presets
-from eqmoe.analysis import flops
+from eqmoe import Transformer, flops, presets
 from eqmoe.config_io import apply_overrides
 from eqmoe.nn.kinds import keys_seen
 

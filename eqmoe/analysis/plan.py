@@ -28,7 +28,7 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
 
-Model FLOPs per token (:mod:`eqmoe.analysis.flops`, the count training logs and ``bench_model`` take MFU from):
+Model FLOPs per token (:mod:`eqmoe.flops`, the count training logs and ``bench_model`` take MFU from):
 ``6 N_active`` plus three times each attention kind's forward count (grouped-query attention ``4 H hd`` per visible
 key, ``(T + 1) / 2`` keys on a causal row), with ``N_active`` the parameters a token touches (embedding lookup
 excluded): its top-k experts only; recomputation is not counted. The kinds' ``Cost.flops`` are what their kernels
@@ -48,8 +48,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqmoe import parallel
-from eqmoe.analysis import flops
+from eqmoe import flops, parallel
 from eqmoe.config import ModelConfig, segments
 from eqmoe.lora import LoRAConfig, add_lora
 from eqmoe.model import Transformer
@@ -317,7 +316,7 @@ def decoding_cache(config: ModelConfig, seq: int) -> DecodingCache:
 
 
 def flops_per_token(config: ModelConfig, seq: int) -> tuple[float, float]:
-    """``(every expert, top-k experts)`` model FLOPs of a training step per token (:mod:`eqmoe.analysis.flops`:
+    """``(every expert, top-k experts)`` model FLOPs of a training step per token (:mod:`eqmoe.flops`:
     three forward passes of ``2 N`` plus each attention kind's own count; no recomputation)."""
     every = 3 * flops.forward_flops_per_token(config, seq, every_expert=True)
     return float(every), float(flops.model_flops_per_token(config, seq))

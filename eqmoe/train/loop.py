@@ -17,8 +17,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from eqmoe import parallel
-from eqmoe.analysis import flops
+from eqmoe import flops, parallel
 from eqmoe.checkpoints.base import BaseModel
 from eqmoe.checkpoints.model_checkpoint import changed_part, restore
 from eqmoe.checkpoints.orbax import Checkpointer, UnreadableCheckpoint
@@ -313,7 +312,7 @@ def _log_eval(metrics: MetricsLog, trackers: Trackers, record: dict, out_dir: Pa
 
 
 class _Utilisation:
-    """The logged compute rates: ``model_flops_per_token`` (:func:`eqmoe.analysis.flops.model_flops_per_token` at
+    """The logged compute rates: ``model_flops_per_token`` (:func:`eqmoe.flops.model_flops_per_token` at
     the batch's row length), ``tflops_per_device`` and ``mfu`` (over ``peak_tflops``, or this device's measured
     float32 matmul rate, measured once per process)."""
 
