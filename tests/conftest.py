@@ -19,6 +19,11 @@ pytest.register_assert_rewrite("tests.hf_families")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
+# ``auto`` backends follow their static rule in the suite (eqmoe.autotune): a run's numbers must not depend on
+# how loaded the machine was when it timed the candidates, and timing every candidate would compile each one.
+# tests/test_autotune.py measures on purpose. Inherited by the subprocesses the tests launch.
+os.environ.setdefault("EQMOE_AUTO", "rule")
+
 # Many tests (and the commands they launch) compile the same programs: one compilation cache for the whole run,
 # every worker and subprocess included, removed when the run ends. A user's own cache setting is left alone.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ

@@ -32,6 +32,8 @@ class RunMetadata:
     - ``base``: the base model (:class:`eqmoe.checkpoints.base.BaseModel`) a checkpoint holding only what training
       changed reads the rest from.
     - ``source``: the Hugging Face folder a converted checkpoint came from.
+    - ``backends``: the backends a run's ``auto`` execution fields resolved to (:mod:`eqmoe.autotune`), e.g.
+      ``{"moe.dispatch": "sorted"}``; a resumed run takes them again, so its numbers do not depend on a new timing.
     """
 
     config: ModelConfig
@@ -46,6 +48,7 @@ class RunMetadata:
     lora: dict[str, Any] | None = None
     base: BaseModel | None = None
     source: str | None = None
+    backends: dict[str, str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys of a newer writer, kept as they are
 
     def replace(self, **changes) -> "RunMetadata":
@@ -54,7 +57,7 @@ class RunMetadata:
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = dict(self.extra)
         data["config"] = config_to_dict(self.config)
-        for name in ("kind", "step", "data_step", "seed", "chat_template", "lora", "source"):
+        for name in ("kind", "step", "data_step", "seed", "chat_template", "lora", "source", "backends"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
         if self.tokenizer is not None or self.bytes_tokenizer:
@@ -85,6 +88,7 @@ class RunMetadata:
             "template_vars": dict,
             "lora": dict,
             "source": str,
+            "backends": dict,
         }
         for name, kind in expected.items():
             value = data.get(name)
@@ -105,6 +109,7 @@ class RunMetadata:
             lora=data.get("lora"),
             base=base,
             source=data.get("source"),
+            backends=data.get("backends"),
             extra={key: value for key, value in data.items() if key not in known},
         )
 

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from eqmoe import flops, parallel
+from eqmoe import autotune, flops, parallel
 from eqmoe.checkpoints.base import BaseModel
 from eqmoe.checkpoints.model_checkpoint import changed_part, restore
 from eqmoe.checkpoints.orbax import Checkpointer, UnreadableCheckpoint
@@ -216,6 +216,16 @@ def _resumed_state(checkpointer, options, model, optimizer, key, metadata, paral
     return None, None
 
 
+def _recorded_backends(checkpointer: Checkpointer) -> dict[str, str] | None:
+    """The backends the run's newest readable checkpoint recorded (every checkpoint of a run records the same)."""
+    for step in sorted(checkpointer.all_steps(), reverse=True):
+        try:
+            return RunMetadata.from_json(checkpointer.metadata(step), str(checkpointer.directory)).backends
+        except (UnreadableCheckpoint, ValueError):
+            continue
+    return None
+
+
 def _set_aside_damaged(checkpointer: Checkpointer, step: int, error: UnreadableCheckpoint) -> None:
     moved = run_folder.set_aside(checkpointer.directory, step)
     array = f" (array {error.array} cannot be read whole)" if error.array else ""
@@ -233,14 +243,24 @@ def _train(
     options.check()
     optimizer_config = optimizer_config.for_run(options.steps)
     config, out_dir = model.config, options.out_dir
-    params = eqx.filter(model, eqx.is_array)
-    optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
-    trained = trained_roles(optimizer_config, params)
-    model = hold_frozen(model, trained)
-    key = jax.random.key(options.seed + 1)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
     try:
         options.claim_out_dir()
+        # the config as given (``auto`` included) is what checkpoints store; the model runs the chosen backends
+        resolved = autotune.resolve(
+            config,
+            batch_size,
+            dataset.seq_len,
+            recorded=_recorded_backends(checkpointer) if options.resume else None,
+            devices=1 if parallelism is None else parallelism.mesh.size,
+        )
+        model = model.with_config(resolved.config)
+        metadata = metadata.replace(backends=resolved.choices or None)
+        params = eqx.filter(model, eqx.is_array)
+        optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
+        trained = trained_roles(optimizer_config, params)
+        model = hold_frozen(model, trained)
+        key = jax.random.key(options.seed + 1)
         state, latest = _resumed_state(checkpointer, options, model, optimizer, key, metadata, parallelism, trained)
     except BaseException:
         checkpointer.close()

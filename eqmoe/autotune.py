@@ -1,0 +1,353 @@
+"""``auto`` by measurement: the MoE dispatch and the attention backend a run uses, timed on its own shapes.
+
+Before a run's first compile, each ``"auto"`` execution field (``moe.dispatch``, ``attention.backend``) is
+resolved by timing every eligible registered backend on the run's shapes (one MoE layer, or one attention call,
+over the tokens of one micro-batch; forward and backward for training): a few calls each after a warm-up call,
+the fastest median wins. A backend is eligible when it can run the config (its own check, a trace that does not
+refuse) and keeps memory in the order of the best: a dispatch backend whose planned activations exceed
+:data:`MEMORY_FACTOR` times the smallest is not timed, and ``dense`` attention only when a whole row fits in
+one tile (``seq <= block_size``), where it keeps what the blockwise kernel keeps and recomputes nothing.
+
+The choice and its timings are printed in one line per field, cached per (device kind, shapes, dtype,
+candidates) in ``auto_backends.json`` under :func:`eqmoe.cache.cache_root`, and recorded in the run's metadata,
+so a resumed run takes the recorded choice and stays exact. A field set to a backend's name is never touched.
+``EQMOE_AUTO=rule`` keeps the static rules (:func:`eqmoe.nn.dispatch.backend_name`,
+:func:`eqmoe.nn.attention_backends.backend_name`) without timing anything: runs that must not depend on the
+machine's timings (the test suite) set it. On a mesh of several devices the rules apply too: the layers then run
+sharded, which one device's timing does not describe.
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqmoe.cache import cache_root
+from eqmoe.config import ModelConfig
+from eqmoe.nn import dispatch
+from eqmoe.nn._init import Init
+from eqmoe.nn.context import attention_mask
+from eqmoe.nn.moe import MoE
+from eqmoe.registries import ATTENTION_BACKENDS, DISPATCH_BACKENDS
+
+ENV = "EQMOE_AUTO"
+MEMORY_FACTOR = 4.0
+REPEATS = 3
+DISPATCH, ATTENTION = "moe.dispatch", "attention.backend"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How one ``auto`` field was resolved: ``how`` is ``"measured"``, ``"cached"``, ``"recorded"`` (a resumed
+    run's choice) or ``"rule"``; ``seconds`` the median seconds per call of each timed backend; ``skipped`` why
+    the others were not timed."""
+
+    field: str
+    choice: str
+    how: str
+    workload: str = ""
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def line(self) -> str:
+        timed = ", ".join(
+            f"{name} {seconds * 1e3:.2f} ms" for name, seconds in sorted(self.seconds.items(), key=_by_time)
+        )
+        parts = [f"auto {self.field} -> {self.choice!r} ({self.how}"]
+        if self.workload:
+            parts.append(f" on {self.workload}")
+        parts.append(f": {timed}" if timed else "")
+        parts.append(")")
+        if self.skipped:
+            parts.append("; not timed: " + "; ".join(f"{name} ({why})" for name, why in self.skipped.items()))
+        return "".join(parts)
+
+
+def _by_time(item: tuple[str, float]) -> float:
+    return item[1]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config whose ``auto`` fields name backends, and how each was chosen."""
+
+    config: ModelConfig
+    choices: dict[str, str] = field(default_factory=dict)
+    measurements: tuple[Measurement, ...] = ()
+
+
+def resolve(
+    config: ModelConfig,
+    rows: int,
+    seq: int,
+    *,
+    training: bool = True,
+    recorded: dict[str, str] | None = None,
+    devices: int = 1,
+    cache: Path | None = None,
+    report=None,
+) -> Resolved:
+    """``config`` with its ``auto`` backends chosen for ``rows`` sequences of ``seq`` tokens per device.
+    ``recorded``: the choices a run stored (taken as they are); ``devices``: the devices the run spans (above one,
+    the rules apply); ``cache``: the cache file (default under :func:`eqmoe.cache.cache_root`); ``report``: where
+    each line goes (default: standard error)."""
+    recorded = recorded or {}
+    report = report or (lambda line: print(line, file=sys.stderr))
+    use_rule = os.environ.get(ENV, "measure") == "rule" or devices > 1
+    cache = cache or cache_root() / "auto_backends.json"
+    measurements = []
+    if config.moe is not None and config.moe.dispatch == "auto":
+        if DISPATCH in recorded:
+            measurements.append(Measurement(DISPATCH, recorded[DISPATCH], "recorded by the run"))
+        elif use_rule:
+            measurements.append(Measurement(DISPATCH, dispatch.backend_name(config.moe), "rule"))
+        else:
+            measurements.append(_cached_or_timed(_DispatchWorkload(config, rows * seq, training), cache))
+    if _has_softmax_attention(config) and config.attention.backend == "auto" and not use_rule:
+        if ATTENTION in recorded:
+            measurements.append(Measurement(ATTENTION, recorded[ATTENTION], "recorded by the run"))
+        else:
+            measurements.append(_cached_or_timed(_AttentionWorkload(config, rows, seq, training), cache))
+    for measurement in measurements:
+        report(measurement.line())
+    choices = {m.field: m.choice for m in measurements}
+    return Resolved(_with_choices(config, choices), choices, tuple(measurements))
+
+
+def _with_choices(config: ModelConfig, choices: dict[str, str]) -> ModelConfig:
+    if DISPATCH in choices:
+        DISPATCH_BACKENDS.get(choices[DISPATCH])  # an unknown recorded name raises, naming the registered ones
+        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, dispatch=choices[DISPATCH]))
+    if ATTENTION in choices:
+        ATTENTION_BACKENDS.get(choices[ATTENTION])
+        config = dataclasses.replace(
+            config, attention=dataclasses.replace(config.attention, backend=choices[ATTENTION])
+        )
+    return config
+
+
+def _has_softmax_attention(config: ModelConfig) -> bool:
+    return any(kind.attention != "gated_deltanet" for kind in config.layers)
+
+
+class _Workload:
+    """One field's candidates on one shape: ``key`` identifies it in the cache, ``eligible`` says why a candidate
+    is not timed (``None``: timed), ``program(name)`` is ``(jitted function, arguments)``."""
+
+    field: str
+    description: str
+    key: dict
+
+    def candidates(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+        return None
+
+    def program(self, name: str):
+        raise NotImplementedError
+
+
+def _cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
+    candidates = workload.candidates()
+    device = jax.devices()[0]
+    key = json.dumps(
+        {
+            **workload.key,
+            "field": workload.field,
+            "device": f"{device.platform}:{device.device_kind}",
+            "candidates": candidates,
+        },
+        sort_keys=True,
+    )
+    entries = _read_cache(cache)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("choice") in candidates:
+        return Measurement(workload.field, entry["choice"], "cached", workload.description, entry.get("seconds", {}))
+    skipped = {name: why for name in candidates if (why := workload.eligible(name, candidates)) is not None}
+    seconds = {}
+    for name in candidates:
+        if name in skipped:
+            continue
+        try:
+            seconds[name] = _time(*workload.program(name), best=min(seconds.values(), default=None))
+        except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
+            skipped[name] = str(error).splitlines()[0][:120]
+    if not seconds:
+        raise ValueError(f"auto {workload.field}: no registered backend can run {workload.description}: {skipped}")
+    choice = min(seconds, key=seconds.__getitem__)
+    _write_cache(cache, {**entries, key: {"choice": choice, "seconds": seconds}})
+    return Measurement(workload.field, choice, "measured", workload.description, seconds, skipped)
+
+
+def _time(function, arguments, *, best: float | None) -> float:
+    """Median seconds of :data:`REPEATS` calls after a warm-up (compiling) call; a backend already ten times slower
+    than the best after one call is not called again."""
+    jax.block_until_ready(function(*arguments))
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        jax.block_until_ready(function(*arguments))
+        times.append(time.perf_counter() - started)
+        if best is not None and times[-1] > 10 * best:
+            break
+    return statistics.median(times)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: measure again
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(partial, path)
+    except OSError as error:  # a read-only cache costs a measurement next time, nothing else
+        print(f"auto: could not write {path} ({error})", file=sys.stderr)
+
+
+def _loss_and_grads(apply, training: bool):
+    """``apply(differentiable, *rest)`` as a jitted forward, or forward + backward of a fixed linear loss."""
+    if not training:
+        return eqx.filter_jit(apply)
+
+    def loss(differentiable, *rest):
+        out = apply(differentiable, *rest)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape)))
+
+    return eqx.filter_jit(eqx.filter_grad(loss))
+
+
+class _DispatchWorkload(_Workload):
+    field = DISPATCH
+
+    def __init__(self, config: ModelConfig, tokens: int, training: bool):
+        self.config, self.tokens, self.training = config, tokens, training
+        moe = config.moe
+        self.description = (
+            f"{tokens} tokens x {config.embed_dim}, {moe.router.num_experts} experts top-{moe.router.top_k} of width "
+            f"{moe.expert_dim}, {config.dtype}, {'forward+backward' if training else 'forward'}"
+        )
+        self.key = {
+            "tokens": tokens,
+            "embed": config.embed_dim,
+            # what the layer's cost depends on (how the router scores experts does not change it)
+            "experts": moe.router.num_experts,
+            "top_k": moe.router.top_k,
+            "capacity_factor": moe.router.capacity_factor,
+            "groups": moe.router.num_groups,
+            "expert_dim": moe.expert_dim,
+            "shared_width": moe.shared_width,
+            "activation": moe.activation,
+            "expert_bias": moe.expert_bias,
+            "block_size": moe.block_size,
+            "dtype": config.dtype,
+            "training": training,
+        }
+
+    def candidates(self) -> tuple[str, ...]:
+        return tuple(DISPATCH_BACKENDS.names())
+
+    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+        backend = DISPATCH_BACKENDS.get(name)
+        if backend.check is not None:
+            try:
+                backend.check(self.config.moe)
+            except ValueError:
+                return "needs a capacity factor" if name == "capacity" else "refuses this config"
+        least = min(self._bytes(other) for other in candidates if self._runs(other))
+        if self._bytes(name) > MEMORY_FACTOR * least:
+            return f"plans {self._bytes(name) / least:.0f}x the activations of the leanest"
+        return None
+
+    def _runs(self, name: str) -> bool:
+        check = DISPATCH_BACKENDS.get(name).check
+        try:
+            check is None or check(self.config.moe)
+        except ValueError:
+            return False
+        return True
+
+    def _bytes(self, name: str) -> float:
+        moe, c = self.config.moe, jnp.dtype(self.config.dtype).itemsize
+        return DISPATCH_BACKENDS.get(name).estimate(moe, self.tokens, self.config.embed_dim, moe.expert_dim, c)
+
+    def program(self, name: str):
+        config, dtype = self.config, jnp.dtype(self.config.dtype)
+        init = Init(config.init, config.init_std, dtype)
+        layer = MoE(config.embed_dim, dataclasses.replace(config.moe, dispatch=name), init=init, key=jax.random.key(0))
+        x = jax.random.normal(jax.random.key(1), (1, self.tokens, config.embed_dim), jnp.float32).astype(dtype)
+        return _loss_and_grads(lambda layer, x: layer(x)[0], self.training), (layer, x)
+
+
+class _AttentionWorkload(_Workload):
+    field = ATTENTION
+
+    def __init__(self, config: ModelConfig, rows: int, seq: int, training: bool):
+        attention = config.attention
+        self.config, self.rows, self.seq, self.training = config, rows, seq, training
+        latent = attention.latent
+        self.kv_heads = attention.num_heads if latent is not None else attention.num_kv_heads
+        self.group = attention.num_heads // self.kv_heads
+        self.qk_dim = attention.head_dim
+        self.v_dim = latent.value_dim if latent is not None else attention.head_dim
+        self.description = (
+            f"{rows} x {seq} tokens, {attention.num_heads} heads over {self.kv_heads} key/value heads of "
+            f"{self.qk_dim}/{self.v_dim}, {config.dtype}, {'forward+backward' if training else 'forward'}"
+        )
+        self.key = {
+            "rows": rows,
+            "seq": seq,
+            "heads": attention.num_heads,
+            "kv_heads": self.kv_heads,
+            "qk_dim": self.qk_dim,
+            "v_dim": self.v_dim,
+            "sinks": attention.sinks,
+            "block_size": attention.block_size,
+            "dtype": config.dtype,
+            "training": training,
+        }
+
+    def candidates(self) -> tuple[str, ...]:
+        return tuple(ATTENTION_BACKENDS.names())
+
+    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+        if name == "dense" and self.seq > self.config.attention.block_size:
+            return f"quadratic memory: {self.seq} tokens exceed one tile of {self.config.attention.block_size}"
+        if name == "cudnn":  # packed rows and padding are masks of their own: the fused kernel refuses them
+            return "needs a plain causal mask, which packed rows are not"
+        return None
+
+    def program(self, name: str):
+        dtype, attention = jnp.dtype(self.config.dtype), self.config.attention
+        keys = jax.random.split(jax.random.key(2), 3)
+        shape = (self.rows, self.kv_heads, self.seq)
+        q = jax.random.normal(keys[0], (*shape[:2], self.group, self.seq, self.qk_dim)).astype(dtype)
+        k = jax.random.normal(keys[1], (*shape, self.qk_dim)).astype(dtype)
+        v = jax.random.normal(keys[2], (*shape, self.v_dim)).astype(dtype)
+        segments = jnp.ones((self.rows, self.seq), jnp.int32)
+        mask = attention_mask(segments, segments > 0)
+        sinks = jnp.zeros((self.kv_heads, self.group), jnp.float32) if attention.sinks else None
+        backend = ATTENTION_BACKENDS.get(name)
+        extra = {} if sinks is None else {"sinks": sinks}
+
+        def apply(qkv, mask):
+            q, k, v = qkv
+            scale = self.qk_dim**-0.5
+            return backend(q, k, v, mask, scale=scale, block_size=attention.block_size, window=None, **extra)
+
+        return _loss_and_grads(apply, self.training), ((q, k, v), mask)
