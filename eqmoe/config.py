@@ -65,7 +65,9 @@ class AttentionConfig:
     :data:`eqmoe.registries.ATTENTION_BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
     reference that materialises every score; ``"cudnn"`` is cuDNN's fused kernel (GPU, half precision,
-    plain causal masks); ``"auto"`` picks ``cudnn`` where it applies and ``blockwise`` elsewhere.
+    plain causal masks); ``"auto"`` is chosen by timing the eligible backends on a training run's shapes
+    (:mod:`eqmoe.autotune`: ``dense`` only where a whole row fits in one tile), else it picks ``cudnn`` where it
+    applies and ``blockwise`` elsewhere.
     """
 
     num_heads: int
@@ -292,7 +294,13 @@ class LossConfig:
     - ``"hf_pooled"``: HF ``E * sum_e f_e P_e`` with top-k fractions pooled over all MoE layers and tokens;
     - ``"axlearn_top1"``: ``E^2 * mean_{groups, e}(f_e P_e)`` with ``f_e`` the top-1 fraction, per layer;
     - ``"maxtext_sequence"``: ``E^2 * mean_{d, e}(density P)`` per packed document ``d`` (a row holds several),
-      averaged over layers.
+      averaged over layers;
+    - ``"micro_batch"``: ``hf_pooled`` taken on each slice of ``balance_micro_batch_rows`` consecutive rows alone and
+      averaged over the slices (Qiu et al. 2025's micro-batch balance; ``hf_pooled`` is their global batch). The
+      rows are those of one forward pass: with gradient accumulation, of each accumulated micro-batch. When
+      ``balance_micro_batch_rows`` does not divide them, the last slice holds the rows left over (and counts as
+      much as a whole one). With ``balance_micro_batch_rows`` the rows each device holds, each device's rows are
+      balanced alone.
 
     ``router_z_loss_weight`` multiplies ``mean(logsumexp(router_logits)^2)``; ``output_z_loss_weight``
     multiplies ``mean(logsumexp(output_logits)^2)`` over the target tokens. ``mtp_weight`` multiplies the mean over
@@ -305,10 +313,19 @@ class LossConfig:
     router_z_loss_weight: float = 0.0
     output_z_loss_weight: float = 0.0
     mtp_weight: float = 0.0
+    balance_micro_batch_rows: int = 1
 
     def __post_init__(self):
         for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight", "mtp_weight"):
             _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
+        rows = self.balance_micro_batch_rows
+        _check(
+            isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1,
+            "LossConfig",
+            "balance_micro_batch_rows",
+            rows,
+            "an integer >= 1",
+        )
 
 
 @dataclass(frozen=True)
@@ -320,8 +337,9 @@ class MoEConfig:
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
     ``"ragged_dot"`` sorts them without padding and calls ``jax.lax.ragged_dot`` (dropless, the GPU/TPU
     path); ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity
-    factor); ``"auto"`` picks ``capacity`` for capacity routing, else ``sorted`` on CPU and
-    ``ragged_dot`` on accelerators.
+    factor); ``"auto"`` is chosen by timing every eligible backend on a training run's shapes
+    (:mod:`eqmoe.autotune`), else (``EQMOE_AUTO=rule``, meshes, inference) it picks ``capacity`` for capacity
+    routing, ``sorted`` on CPU and ``ragged_dot`` on accelerators.
     Every backend gives the same numbers for the same routing.
 
     ``shared_experts`` SwiGLU experts of width ``shared_expert_dim`` (``None``: ``expert_dim``) see every token

@@ -56,6 +56,7 @@ class ModelOutput(eqx.Module):
     segment_ids: Int[Array, "batch seq"] | None = None
     mtp_logits: Float[Array, "depth batch seq vocab"] | None = None
     num_groups: int = eqx.field(static=True, default=1)
+    balance_micro_batch_rows: int = eqx.field(static=True, default=1)
 
     @property
     def aux(self) -> RouterStats | None:
@@ -67,7 +68,14 @@ class ModelOutput(eqx.Module):
         """:attr:`aux`, with per-domain assignment counts when ``token_domains`` (one-hot per token) is given."""
         if self.routing is None:
             return None
-        return layer_stats(self.routing, self.token_mask, self.num_groups, token_domains, self.segment_ids)
+        return layer_stats(
+            self.routing,
+            self.token_mask,
+            self.num_groups,
+            token_domains,
+            self.segment_ids,
+            self.balance_micro_batch_rows,
+        )
 
 
 class Transformer(Layer):
@@ -152,7 +160,14 @@ class Transformer(Layer):
         moe = self.config.moe
         groups = 1 if moe is None or cache is not None else moe.router.num_groups
         return ModelOutput(
-            logits, routing, new_cache, context.token_mask, segment_ids, mtp_logits=mtp_logits, num_groups=groups
+            logits,
+            routing,
+            new_cache,
+            context.token_mask,
+            segment_ids,
+            mtp_logits=mtp_logits,
+            num_groups=groups,
+            balance_micro_batch_rows=self.config.loss.balance_micro_batch_rows,
         )
 
     def _context(self, tokens, segment_ids, positions, token_mask, cache: KVCache | None) -> Context:

@@ -33,6 +33,7 @@ import tyro
 
 from eqmoe.analysis import routing_maps as maps
 from eqmoe.analysis.evaluate import plot_domain_routing
+from eqmoe.analysis.routing import max_violation
 from eqmoe.checkpoints.source import load_source, source_tokenizer
 from eqmoe.data.corpus import EVAL_CHARS_PER_DOMAIN, load_documents, pack_documents, synthetic_documents
 from eqmoe.data.packing import PackedRows
@@ -183,6 +184,7 @@ def summarize(records: maps.RoutingRecords, results: Analyses, domains: tuple[st
             "percentiles": {f"p{level:g}": load.percentiles[:, i] for i, level in enumerate(load.levels)},
             "dead_threshold": load.dead_threshold,
             "dead_experts": [list(dead) for dead in load.dead],
+            "max_vio": max_violation(load.share),
         },
         "coactivation": {
             "matrix": pairs.matrix,
@@ -273,14 +275,15 @@ def print_summary(summary: dict, args: Args) -> None:
         f"{summary['tokens']:,} tokens in {summary['rows']} rows of {summary['source']}"
     )
     uniform = 1 / summary["num_experts"]
-    print(f"layer  load p1 / p50 / p99 (1/E={uniform:.3f})  dead  top pair          next: NMI  top-1")
+    print(f"layer  load p1 / p50 / p99 (1/E={uniform:.3f})  MaxVio  dead  top pair          next: NMI  top-1")
     for i, layer in enumerate(layers):
         levels = " / ".join(_share(load["percentiles"][name][i]) for name in ("p1", "p50", "p99"))
         dead = ",".join(map(str, load["dead_experts"][i])) or "-"
         top = summary["coactivation"]["top_pairs"][i]
         pair = f"{top[0]['experts'][0]}+{top[0]['experts'][1]} {top[0]['fraction']:.3f}" if top else "-"
         after = f"{_share(agreement[i]['nmi'])}  {_share(agreement[i]['top1_accuracy'])}" if i < len(agreement) else ""
-        print(f"{layer:>5}  {levels:<31}  {dead:<4}  {pair:<16}  {after}")
+        max_vio = _share(load["max_vio"][i])
+        print(f"{layer:>5}  {levels:<31}  {max_vio:<6}  {dead:<4}  {pair:<16}  {after}")
     vocabulary = summary["vocabulary"]
     last = vocabulary["experts"][-1]
     shown = sorted(last, key=lambda e: -(e["top_share"] or 0))[: args.show_experts]

@@ -188,7 +188,8 @@ def test_load_balance_forms_are_registered_reported_and_trained():
     with pytest.raises(ValueError) as excinfo:
         check_names(presets.get("qwen3-moe-micro").replace(loss=LossConfig(load_balance="global")))
     assert str(excinfo.value) == (
-        "LossConfig.load_balance='global' is invalid; allowed: hf_pooled | axlearn_top1 | maxtext_sequence"
+        "LossConfig.load_balance='global' is invalid; allowed: "
+        "hf_pooled | axlearn_top1 | maxtext_sequence | micro_batch"
     )
     base = presets.get("qwen3-moe-micro")
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, base.vocab_size)

@@ -52,6 +52,7 @@ def routing_metrics(
         summary = summarize(stats)
         record.update(
             eval_load_cv=float(summary.load_cv.mean()),
+            eval_max_vio=float(summary.max_vio.mean()),
             eval_max_min_ratio=float(summary.max_min_ratio.mean()),
             eval_dropped_fraction=float(summary.dropped_fraction.mean()),
             eval_router_entropy=float(summary.entropy.mean()),
@@ -59,6 +60,7 @@ def routing_metrics(
             layers={
                 "load": summary.load.tolist(),
                 "load_cv": summary.load_cv.tolist(),
+                "max_vio": summary.max_vio.tolist(),
                 "max_min_ratio": summary.max_min_ratio.tolist(),
                 "dropped_fraction": summary.dropped_fraction.tolist(),
                 "router_entropy": summary.entropy.tolist(),

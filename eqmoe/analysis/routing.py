@@ -20,17 +20,31 @@ class RoutingSummary(NamedTuple):
 
     load: np.ndarray  # fraction of the top-k assignments each expert received (before capacity drops)
     load_cv: np.ndarray  # coefficient of variation of the load over experts (0 = perfectly balanced)
+    max_vio: np.ndarray  # MaxVio: most loaded expert's load over the mean load, minus 1 (0 = perfectly balanced)
     max_min_ratio: np.ndarray  # most over least loaded expert (inf when an expert received nothing)
     dropped_fraction: np.ndarray  # assignments dropped by capacity over all assignments
     entropy: np.ndarray  # mean per-token router entropy over log(num_experts) (1 = uniform router)
     domain_nmi: np.ndarray | None = None  # normalised expert-domain mutual information (with domain labels)
 
 
+# RouterStats fields holding one entry per micro-batch of rows, and the axis of those entries.
+_MICRO_BATCH_AXES = {"micro_batch_counts": -2, "micro_batch_prob_sum": -2, "micro_batch_tokens": -1}
+
+
 def accumulate(total: RouterStats | None, stats: RouterStats) -> RouterStats:
     """``total + stats`` for the summed fields, so a summary can cover many batches. The per-batch loss
-    values (``load_balance`` etc.) are summed too; divide by the batch count if you need their mean."""
+    values (``load_balance`` etc.) are summed too; divide by the batch count if you need their mean. The
+    per-micro-batch sums are concatenated: the micro-batches of both batches, whatever their row counts."""
     stats = jax.tree.map(np.asarray, stats)
-    return stats if total is None else jax.tree.map(np.add, total, stats)
+    if total is None:
+        return stats
+    joined = {
+        name: np.concatenate([getattr(total, name), getattr(stats, name)], axis=axis)
+        for name, axis in _MICRO_BATCH_AXES.items()
+        if getattr(stats, name) is not None
+    }
+    left_out = dict.fromkeys(joined)
+    return jax.tree.map(np.add, total._replace(**left_out), stats._replace(**left_out))._replace(**joined)
 
 
 def summarize(stats: RouterStats) -> RoutingSummary:
@@ -49,6 +63,7 @@ def summarize(stats: RouterStats) -> RoutingSummary:
     return RoutingSummary(
         load=load,
         load_cv=load.std(-1) / np.maximum(mean, 1e-12),
+        max_vio=max_violation(counts),
         max_min_ratio=ratio,
         dropped_fraction=np.asarray(stats.dropped, np.float64) / np.maximum(counts.sum(-1), 1.0),
         entropy=np.asarray(stats.entropy_sum, np.float64) / tokens / np.log(num_experts)
@@ -56,6 +71,14 @@ def summarize(stats: RouterStats) -> RoutingSummary:
         else 0 * tokens,
         domain_nmi=domain_nmi,
     )
+
+
+def max_violation(expert_counts: np.ndarray) -> np.ndarray:
+    """MaxVio per layer of ``[..., experts]`` assignment counts: ``max_e n_e / mean_e n_e - 1`` (0 when balanced and
+    for a layer with no assignment); :func:`eqmoe.nn.routing_stats.max_violation` in NumPy."""
+    counts = np.asarray(expert_counts, np.float64)
+    mean = counts.mean(-1)
+    return np.where(mean > 0, counts.max(-1) / np.where(mean > 0, mean, 1.0) - 1.0, 0.0)
 
 
 def _entropy(p: np.ndarray) -> float:

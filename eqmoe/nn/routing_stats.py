@@ -36,6 +36,10 @@ class RouterStats(NamedTuple):
     z_loss: Float[Array, "*layers"]  # mean logsumexp(logits)^2
     entropy_sum: Float[Array, "*layers"]  # sum over tokens of the router distribution's entropy (nats)
     domain_counts: Float[Array, "*layers domains experts"] | None = None  # assignments per token domain
+    # expert_counts, prob_sum and num_tokens per micro-batch of consecutive rows (LossConfig.balance_micro_batch_rows)
+    micro_batch_counts: Float[Array, "*layers micro experts"] | None = None
+    micro_batch_prob_sum: Float[Array, "*layers micro experts"] | None = None
+    micro_batch_tokens: Float[Array, "*layers micro"] | None = None
 
     @property
     def load(self) -> Float[Array, "*layers experts"]:
@@ -50,6 +54,19 @@ class RouterStats(NamedTuple):
     @property
     def dropped_fraction(self) -> Float[Array, "*layers"]:
         return self.dropped / jnp.maximum(self.expert_counts.sum(-1), 1.0)
+
+    @property
+    def max_vio(self) -> Float[Array, "*layers"]:
+        """MaxVio (:func:`max_violation`) of each layer's assignments."""
+        return max_violation(self.expert_counts)
+
+
+def max_violation(expert_counts: Float[Array, "*layers experts"]) -> Float[Array, "*layers"]:
+    """MaxVio (Wang et al. 2024, auxiliary-loss-free balancing): ``max_e load_e / mean_e load_e - 1`` of the
+    top-k assignment counts before capacity drops; 0 when balanced (and for a layer that routed nothing),
+    ``E - 1`` when one expert takes every assignment. Not additive: take it of summed counts, never average it."""
+    mean = jnp.mean(expert_counts, axis=-1)
+    return jnp.where(mean > 0, jnp.max(expert_counts, axis=-1) / jnp.where(mean > 0, mean, 1.0) - 1.0, 0.0)
 
 
 def _balance(
@@ -68,6 +85,7 @@ def router_stats(
     num_groups: int,
     token_domains: Float[Array, "batch seq domains"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
+    balance_micro_batch_rows: int = 1,
 ) -> RouterStats:
     """Statistics of one layer's routing over the tokens where ``token_mask`` is true.
 
@@ -75,6 +93,8 @@ def router_stats(
     (ids in ``0..seq``, as :mod:`eqmoe.data.packing` makes them); without ``segment_ids`` each row is
     one document. With ``token_domains`` (a one-hot domain label per token) ``domain_counts[d, e]``
     counts the top-k assignments of domain ``d``'s tokens to expert ``e`` (before capacity drops).
+    The ``micro_batch_*`` sums are per slice of ``balance_micro_batch_rows`` consecutive rows; when those do not
+    divide the batch, the last slice holds the remaining rows.
     """
     probs = routing.probs
     batch, seq = token_mask.shape
@@ -103,6 +123,10 @@ def router_stats(
     sums = sums.reshape(batch * (seq + 1), -1)
     sequence_balance = _balance(sums[:, :num_experts], sums[:, num_experts:-1], sums[:, -1])
 
+    slices = -(-batch // balance_micro_batch_rows)
+    row_sums = per_token.sum(axis=1)
+    micro = jax.ops.segment_sum(row_sums, jnp.arange(batch) // balance_micro_batch_rows, num_segments=slices)
+
     dropped = jnp.sum((~routing.kept) * valid[:, None])
     z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)) * valid) / rows
     log_probs = jax.nn.log_softmax(routing.logits, axis=-1)
@@ -121,6 +145,9 @@ def router_stats(
         z_loss,
         entropy_sum,
         domain_counts,
+        micro[:, :num_experts],
+        micro[:, num_experts:-1],
+        micro[:, -1],
     )
 
 
@@ -130,9 +157,12 @@ def layer_stats(
     num_groups: int = 1,
     token_domains: Float[Array, "batch seq domains"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
+    balance_micro_batch_rows: int = 1,
 ) -> RouterStats:
     """:func:`router_stats` of every layer of a stacked routing (``ModelOutput.routing``), in layer order."""
-    return jax.vmap(lambda one: router_stats(one, token_mask, num_groups, token_domains, segment_ids))(routing)
+    return jax.vmap(
+        lambda one: router_stats(one, token_mask, num_groups, token_domains, segment_ids, balance_micro_batch_rows)
+    )(routing)
 
 
 def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
@@ -143,8 +173,16 @@ def pooled_load_balance(aux: RouterStats) -> Float[Array, ""]:
     return num_experts * jnp.sum((aux.expert_counts.sum(0) / rows) * (aux.prob_sum.sum(0) / rows))
 
 
+def micro_batch_load_balance(aux: RouterStats) -> Float[Array, ""]:
+    """:func:`pooled_load_balance` (pooled over layers) taken on each micro-batch of consecutive rows
+    (``LossConfig.balance_micro_batch_rows``) alone, averaged over the micro-batches holding a real token: the
+    micro-batch balance Qiu et al. 2025 compare with the global-batch one (``hf_pooled``)."""
+    return _balance(aux.micro_batch_counts.sum(0), aux.micro_batch_prob_sum.sum(0), aux.micro_batch_tokens.sum(0))
+
+
 LoadBalance = Callable[[RouterStats], Float[Array, ""]]
 LOAD_BALANCE.register("hf_pooled", pooled_load_balance)
 LOAD_BALANCE.register("axlearn_top1", lambda aux: jnp.mean(aux.top1_balance))  # per layer, averaged
 # MaxText's per-sequence form, taken per packed document (RouterStats.sequence_balance), per layer, averaged.
 LOAD_BALANCE.register("maxtext_sequence", lambda aux: jnp.mean(aux.sequence_balance))
+LOAD_BALANCE.register("micro_batch", micro_batch_load_balance)

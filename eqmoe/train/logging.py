@@ -109,6 +109,7 @@ def plot_metrics(records: list[dict], path: Path) -> None:
         for name, title, source in (
             ("eval_accuracy", "held-out exact match", evals),
             ("load_cv", "expert load: coefficient of variation (0 = uniform)", train),
+            ("max_vio", "expert load: MaxVio, max over mean - 1 (0 = uniform)", train),
             ("eval_domain_nmi", "expert-domain mutual information (normalised)", evals),
         )
         if any(name in r for r in source)

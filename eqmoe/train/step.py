@@ -13,7 +13,7 @@ from eqmoe import parallel
 from eqmoe.data import packing
 from eqmoe.losses import objective
 from eqmoe.model import Transformer
-from eqmoe.nn.routing_stats import RouterStats
+from eqmoe.nn.routing_stats import RouterStats, max_violation
 from eqmoe.params import Role, role_mask
 from eqmoe.progress import phase_bar
 from eqmoe.train.balance import update_router_biases
@@ -87,8 +87,15 @@ def batch_loss(
         terms["load_max_minus_min_by_layer"] = jnp.max(shares, -1) - jnp.min(shares, -1)  # in uniform shares
         terms["dropped_fraction_by_layer"] = stats.dropped_fraction
         terms["router_entropy_by_layer"] = stats.entropy / jnp.log(max(load.shape[-1], 2))
+        terms.update(_max_vio_terms(stats.expert_counts))
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
     return loss, (terms, None if stats is None else stats.expert_counts)
+
+
+def _max_vio_terms(expert_counts: Float[Array, "moe_layers experts"]) -> Metrics:
+    """``max_vio`` (the mean over MoE layers) and ``max_vio_by_layer`` of the batch's assignment counts."""
+    by_layer = max_violation(expert_counts)
+    return {"max_vio": jnp.mean(by_layer), "max_vio_by_layer": by_layer}
 
 
 def make_train_step(
@@ -117,7 +124,8 @@ def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
     """The gradient of the whole batch's objective taken over ``count`` micro-batches in a ``lax.scan``, so that
     activations are held for one micro-batch at a time. Each micro-batch's terms count by its share of the batch's
     target tokens: cross-entropy (a mean over target tokens) equals the whole batch's; the router losses are
-    the token-weighted mean of the micro-batches'. Returns ``(terms, expert_counts, grads)`` like one batch."""
+    the token-weighted mean of the micro-batches'; MaxVio is that of the summed expert counts. Returns
+    ``(terms, expert_counts, grads)`` like one batch."""
     micro = _micro_batches(batch, count)
     targets = jnp.sum(micro.target_mask[:, :, 1:], axis=(1, 2)).astype(jnp.float32)
     shares = targets / jnp.maximum(jnp.sum(targets), 1.0)
@@ -138,6 +146,8 @@ def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
     shapes = eqx.filter_eval_shape(lambda: one(None, (0, shares[0], first))[0])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     (terms, counts, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(count), shares, micro))
+    if counts is not None:  # a ratio of the whole batch's loads, not a mean of the micro-batches' ratios
+        terms.update(_max_vio_terms(counts))
     return terms, counts, grads
 
 
