@@ -54,10 +54,10 @@ def model_flops_per_token(config: ModelConfig, seq: int) -> float:
     return 3 * forward_flops_per_token(config, seq)
 
 
-def measure_peak_tflops(size: int = 4096, repeats: int = 5) -> float:
-    """This device's float32 matmul rate in TFLOP/s: the median of ``repeats`` timed ``[size, size] @ [size, size]``
+def measure_peak_tflops(size: int = 4096, repeats: int = 5, dtype: str = "float32") -> float:
+    """This device's matmul rate in ``dtype``, TFLOP/s: the median of ``repeats`` timed ``[size, size] @ [size, size]``
     products (after one to compile), the peak MFU is taken against when none is given."""
-    a = jnp.ones((size, size), jnp.float32)
+    a = jnp.ones((size, size), jnp.dtype(dtype))
     product = jax.jit(jnp.dot)
     product(a, a).block_until_ready()
     times = []

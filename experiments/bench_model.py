@@ -1,17 +1,22 @@
-"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE, gpt-oss and Qwen3-Next, same weights and
-batch.
+"""Whole-model speed: eqmoe against Hugging Face transformers' Qwen3-MoE, DeepSeek-V3, gpt-oss and Qwen3-Next, same
+weights and batch.
 
-    python -m experiments.bench_model                                   # the Qwen3-MoE shapes, forward and train
+    python -m experiments.bench_model                                   # small, wide, long, fine, deepseek
+    python -m experiments.bench_model --shape fine deepseek --dtype bfloat16
     python -m experiments.bench_model --shape small-train --repeats 3   # one row, one pass
     python -m experiments.bench_model --shape wide --breakdown          # + attention / MoE / dense / norm / head
     python -m experiments.bench_model --shape long --seq-len 2048 --json-out model.json
     python -m experiments.bench_model --shape gpt-oss --breakdown       # + sliding vs full attention layers
     python -m experiments.bench_model --shape qwen3-next --breakdown    # + one linear layer at 2k, 8k and 32k tokens
 
-Each row builds a random ``transformers.Qwen3MoeForCausalLM``, ``GptOssForCausalLM`` or ``Qwen3NextForCausalLM``
-(eager attention and experts, float32; Qwen3-Next's gated delta rule and convolution on transformers' torch path),
-saves it and loads the folder with ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch must be
-below ``--logit-tolerance`` before anything is timed. Passes:
+Each row (:mod:`experiments._bench_rows`) builds a random ``transformers.Qwen3MoeForCausalLM`` (small, wide, long;
+fine: 128 experts top-8 as Qwen3-30B-A3B), ``DeepseekV3ForCausalLM`` (deepseek: 256 experts top-8 in groups, a shared
+expert, latent attention), ``GptOssForCausalLM`` or ``Qwen3NextForCausalLM`` (eager attention and experts, float32;
+Qwen3-Next's gated delta rule and convolution on transformers' torch path), saves it and loads the folder with
+``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch must be below ``--logit-tolerance`` before
+anything is timed. With ``--dtype bfloat16`` both forward passes hold their weights in bfloat16, and both train steps
+keep float32 weights and optimizer state and compute in bfloat16 (eqmoe's compute dtype, torch's ``autocast``).
+Where JAX runs on a GPU, torch runs on it too. Passes:
 
 - ``forward``: the logits of the batch (torch under ``inference_mode``; eqmoe jitted, as ``batch_loss``
   calls the model: one packed segment, all tokens real).
@@ -20,10 +25,11 @@ below ``--logit-tolerance`` before anything is timed. Passes:
   ``OptimizerConfig(warmup_steps=0)``: AdamW lr 3e-4, b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 except
   norm scales and biases, global-norm clip 1.0. transformers runs ``model(ids, labels=ids,
   output_router_logits=True).loss`` (CE + router_aux_loss_coef * aux), ``backward``,
-  ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` with the same values and the same decay groups.
+  ``clip_grad_norm_(1.0)`` and ``torch.optim.AdamW`` with the same values and the same decay groups. DeepSeek-V3
+  trains no auxiliary loss on either side (eqmoe moves its selection bias instead, as the family does).
 
 The two frameworks alternate in one process, in blocks of calls that each open with an untimed call
-(see :func:`interleaved`); torch uses ``os.cpu_count()`` threads, as XLA:CPU does. The first call of
+(see :func:`interleaved`); on the CPU torch uses ``os.cpu_count()`` threads, as XLA:CPU does. The first call of
 each side (eqmoe: compilation + one run) is reported apart from the medians of ``--repeats`` timed calls.
 ``ratio`` = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe is faster). ``--breakdown`` times single
 components on the row's shapes, forward and forward+backward (the gradient of ``sum(out * g)``, fixed
@@ -37,8 +43,9 @@ compiled temporary bytes should stay flat as the length grows (the chunked delta
 
 Against the limit: each row's model FLOPs (:mod:`eqmoe.flops`: a forward pass, or three for a train step;
 top-k experts, causal attention at ``(T + 1) / 2`` keys, no recomputation) over its median time, in GFLOP/s and as
-the fraction of this machine's float32 matmul peak, the median of 5 ``[--peak-size]^2`` ``jnp.dot`` products
-timed in the same process (both frameworks' rows are divided by the same peak).
+the fraction of this machine's matmul peak in ``--dtype``, the median of 5 ``[--peak-size]^2`` ``jnp.dot`` products
+timed in the same process (both frameworks' rows are divided by the same peak). The last table gives each row's
+fraction of the peak and speed against transformers, forward and train.
 """
 
 import copy
@@ -47,7 +54,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,71 +65,21 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import flops
+from eqmoe import autotune, flops
 from eqmoe.nn import dispatch
+from experiments._bench_device import finish, matmul_peak_gflops, torch_device
+from experiments._bench_rows import DEFAULT_ROWS, PASSES, SHAPES, Shape, build_models
 from experiments._cli import UsageError, guarded
-from experiments.options import DispatchOption, JsonFileOptions
+from experiments.options import DispatchOption, DtypeOption, JsonFileOptions
 
 LINEAR = "gated_deltanet"  # the linear-attention kind: Qwen3-Next's gated DeltaNet layers
 
 
 @dataclass(frozen=True)
-class Shape:
-    """One benchmark row: the model and the batch."""
-
-    layers: int
-    embed: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int
-    top_k: int
-    expert_dim: int
-    vocab: int
-    batch: int
-    seq: int
-    family: Literal["qwen3_moe", "gpt_oss", "qwen3_next"] = "qwen3_moe"
-    """The transformers model: Qwen3-MoE, gpt-oss (sinks, biases, clamped SwiGLU, sliding and full layers) or
-    Qwen3-Next (gated DeltaNet linear layers and gated full attention, a shared expert)."""
-    window: int | None = None
-    """gpt-oss: the window of its sliding layers (every even layer, as transformers alternates them)."""
-    linear_heads: tuple[int, int] | None = None
-    """Qwen3-Next: the linear layers' key heads and value heads, each of ``head_dim`` (every 4th layer is full)."""
-
-    def model_key(self) -> tuple:
-        return dataclasses.astuple(dataclasses.replace(self, batch=0, seq=0))
-
-
-_SMALL = dict(layers=4, embed=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=2, expert_dim=512, vocab=2048)
-_WIDE = dict(layers=2, embed=512, heads=8, kv_heads=4, head_dim=64, experts=32, top_k=4, expert_dim=1024, vocab=2048)
-# gpt-oss-20b's proportions on two cores: one sliding layer (window 128) and one full, heads of 64 with 8 query heads
-# per key/value head (its 64:8), 32 experts top-4 (its own), experts as wide as the model (its 2880 and 2880). It runs
-# 1 x 8,192 tokens, where a window pays off; transformers' eager attention scores [8, 8192, 8192] float32 (2 GiB) in
-# every layer, sliding or not: on a 2-core, 23 GiB machine its train step took 38 s (59 s the first), the process
-# peaked at 13.8 GiB and ``--shape gpt-oss --breakdown --repeats 3`` took 12 minutes.
-_GPT_OSS = dict(layers=2, embed=512, heads=8, kv_heads=1, head_dim=64, experts=32, top_k=4, expert_dim=512, vocab=2048)
-# Qwen3-Next-80B-A3B's proportions: three gated DeltaNet layers and one full-attention layer (its 48 as 12 x 4), query
-# heads 4 per key/value head (its 16:2 is 8), the linear layers' value heads twice their key heads (its 32:16), many
-# experts a quarter as wide as the model (its 512 of 512 at 2048), top-4 and a shared expert as wide.
-_QWEN3_NEXT = dict(
-    layers=4, embed=256, heads=4, kv_heads=1, head_dim=64, experts=32, top_k=4, expert_dim=64, vocab=2048
-)
-SHAPES = {
-    "small": Shape(**_SMALL, batch=8, seq=256),
-    "wide": Shape(**_WIDE, batch=4, seq=1024),
-    "long": Shape(**_WIDE, batch=1, seq=4096),  # the "wide" model
-    "gpt-oss": Shape(**_GPT_OSS, batch=1, seq=8192, family="gpt_oss", window=128),
-    "qwen3-next": Shape(**_QWEN3_NEXT, batch=1, seq=2048, family="qwen3_next", linear_heads=(2, 4)),
-}
-DEFAULT_ROWS = ("small", "wide", "long")  # gpt-oss's 12 minutes and qwen3-next run when asked for
-PASSES = ("forward", "train")
-
-
-@dataclass(frozen=True)
-class Args(DispatchOption, JsonFileOptions):
+class Args(DispatchOption, DtypeOption, JsonFileOptions):
     shape: tuple[str, ...] = ()
-    """Rows to run: small, wide, long, gpt-oss, qwen3-next, or NAME-PASS for one pass (e.g. small-train); default
-    small, wide and long."""
+    """Rows to run: small, wide, long, fine, deepseek, gpt-oss, qwen3-next, or NAME-PASS for one pass (e.g.
+    small-train); default small, wide, long, fine and deepseek."""
     layers: int | None = None
     """Override the decoder layers of every selected row."""
     embed: int | None = None
@@ -156,11 +112,12 @@ class Args(DispatchOption, JsonFileOptions):
     linear_lengths: tuple[int, ...] = (2048, 8192, 32768)
     """Tokens per row at which --breakdown times one linear (gated DeltaNet) layer alone, forward+backward."""
     peak_size: int = 4096
-    """The square float32 matmul (median of 5) whose rate is this machine's peak in the table."""
+    """The square matmul in --dtype (median of 5) whose rate is this machine's peak in the table."""
     hf_adamw: Literal["default", "foreach", "fused"] = "default"
     """torch.optim.AdamW implementation (default: torch's own choice, the per-tensor loop on CPU)."""
     logit_tolerance: float = 1e-3
-    """Stop before timing when max |logit diff| between the two models exceeds this."""
+    """Stop before timing when max |logit diff| between the two models in float32 exceeds this (in another --dtype
+    its difference there is printed too)."""
     seed: int = 0
     """Seed of the weights, the token ids and the cotangents."""
 
@@ -180,10 +137,31 @@ def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
             raise UsageError(f"--window={args.window} is invalid for --shape {entry}: its layers have no window")
         passes = rows.setdefault(name, [])
         passes.extend(p for p in ((pass_name,) if pass_name else PASSES) if p not in passes)
-    return [
+    selected = [
         (name, dataclasses.replace(SHAPES[name], **overrides), tuple(p for p in PASSES if p in passes))
         for name, passes in rows.items()
     ]
+    for name, shape, _ in selected:
+        _check_latent_and_groups(name, shape)
+    return selected
+
+
+def _check_latent_and_groups(name: str, shape: Shape) -> None:
+    """What a DeepSeek-V3 row's overrides must keep: a key/value head per query head (its attention expands the
+    latent per head) and experts that split into the row's groups, enough of them kept to choose ``top_k``."""
+    if shape.latent is not None and shape.kv_heads != shape.heads:
+        raise UsageError(
+            f"--kv-heads={shape.kv_heads} is invalid for --shape {name}: its latent attention has one key/value head "
+            f"per query head; allowed: {shape.heads} (--heads)"
+        )
+    if shape.groups is not None:
+        groups, kept = shape.groups
+        if shape.experts % groups or shape.top_k > kept * (shape.experts // groups):
+            raise UsageError(
+                f"--experts={shape.experts} --top-k={shape.top_k} is invalid for --shape {name}: its experts split "
+                f"into {groups} equal groups and a token chooses among {kept} of them; allowed: a multiple of {groups} "
+                f"experts, top-k at most {kept} groups' experts"
+            )
 
 
 def _row_and_pass(entry: str) -> tuple[str, str]:
@@ -207,6 +185,7 @@ def machine() -> dict:
         "jax": jax.__version__,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "torch_device": torch_device(),
         "transformers": transformers.__version__,
         "load_average_at_start": os.getloadavg(),
     }
@@ -216,13 +195,15 @@ def machine() -> dict:
 
 
 SETTLE_S = 0.25
-"""Idle seconds after every timed call: torch's OpenMP workers keep spinning on the cores for a while
-after a call returns, and the call timed next would share the machine with them."""
+"""Idle seconds after every timed call while torch runs on the CPU: its OpenMP workers keep spinning on the
+cores for a while after a call returns, and the call timed next would share the machine with them."""
 
 
-def interleaved(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, float]:
-    """First-call seconds and median seconds of ``ours`` (synchronised with ``block_until_ready``) and
-    ``theirs`` (torch on CPU: synchronous) over ``repeats`` timed calls each.
+def interleaved(
+    ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int, settle_s: float = SETTLE_S
+) -> dict[str, float]:
+    """First-call seconds and median seconds of ``ours`` and ``theirs`` over ``repeats`` timed calls each, each
+    call timed to its end (:func:`experiments._bench_device.finish`) and followed by ``settle_s`` idle seconds.
 
     The sides alternate in two blocks each (ours, theirs, ours, theirs), and every block opens with an
     untimed call. Alternating call by call measures each framework in the other's wake: on this machine
@@ -232,9 +213,9 @@ def interleaved(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int
 
     def seconds(fn: Callable[[], Any]) -> float:
         start = time.perf_counter()
-        jax.block_until_ready(fn())
+        finish(fn())
         elapsed = time.perf_counter() - start
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         return elapsed
 
     first_ours, first_theirs = seconds(ours), seconds(theirs)
@@ -253,114 +234,7 @@ def interleaved(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int
     }
 
 
-# --- the two models ----------------------------------------------------------------------------------
-
-
-def build_models(shape: Shape, seed: int):
-    """A random transformers model of the shape's family (eager attention and experts, eval mode) and the same
-    weights as an eqmoe ``Transformer``, read back with ``eqmoe.checkpoints.hf.load`` from a ``save_pretrained``
-    folder."""
-    import torch
-    import transformers
-
-    from eqmoe.checkpoints import hf
-
-    config, model_class = {
-        "qwen3_moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
-        "gpt_oss": (_gpt_oss_config, transformers.GptOssForCausalLM),
-        "qwen3_next": (_qwen3_next_config, transformers.Qwen3NextForCausalLM),
-    }[shape.family]
-    config = config(shape)
-    torch.manual_seed(seed)
-    reference = model_class(config).eval()
-    _perturb_off_init(reference)
-    with tempfile.TemporaryDirectory(prefix="bench_model_") as folder:
-        reference.save_pretrained(folder)
-        model = hf.load(folder)
-    return reference, model
-
-
-def _shared_fields(shape: Shape) -> dict:
-    """The config fields both families name alike: the shape's widths, untied, eager attention and experts."""
-    return dict(
-        vocab_size=shape.vocab,
-        hidden_size=shape.embed,
-        intermediate_size=shape.expert_dim,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        num_experts_per_tok=shape.top_k,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="eager",
-        experts_implementation="eager",
-    )
-
-
-def _qwen3_moe_config(shape: Shape):
-    import transformers
-
-    return transformers.Qwen3MoeConfig(
-        **_shared_fields(shape),
-        moe_intermediate_size=shape.expert_dim,  # intermediate_size is unused: every layer is MoE
-        num_experts=shape.experts,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=max(shape.seq, 4096),
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
-
-
-def _gpt_oss_config(shape: Shape):
-    """GptOssConfig's own defaults (YaRN RoPE x32 over 4096 positions, theta 150000, swiglu_limit 7) at the shape's
-    sizes, its layers alternating sliding and full, sliding first, as gpt-oss's ``layer_types``."""
-    import transformers
-
-    return transformers.GptOssConfig(
-        **_shared_fields(shape),
-        num_local_experts=shape.experts,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
-        sliding_window=shape.window,
-    )
-
-
-def _qwen3_next_config(shape: Shape):
-    """Qwen3NextConfig at the shape's sizes: every 4th layer full attention (its ``full_attention_interval``), the
-    linear layers' heads ``linear_heads`` of ``head_dim``, a shared expert as wide as the routed ones; its own
-    defaults otherwise (a quarter of each head rotated, theta 10000)."""
-    import transformers
-
-    key_heads, value_heads = shape.linear_heads or (shape.kv_heads, shape.heads)
-    return transformers.Qwen3NextConfig(
-        **_shared_fields(shape),
-        moe_intermediate_size=shape.expert_dim,
-        shared_expert_intermediate_size=shape.expert_dim,
-        num_experts=shape.experts,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        linear_num_key_heads=key_heads,
-        linear_num_value_heads=value_heads,
-        linear_key_head_dim=shape.head_dim,
-        linear_value_head_dim=shape.head_dim,
-        max_position_embeddings=max(shape.seq, 4096),
-    )
-
-
-def _perturb_off_init(reference) -> None:
-    """Move what transformers initialises to a constant or near zero, so the logit check covers those weights too:
-    norms (exactly 1), biases (exactly 0: gpt-oss's attention, router and experts) and sinks (N(0, 0.02): a sink
-    that small is invisible next to a softmax over hundreds of keys)."""
-    import torch
-
-    scales = {"norm.weight": 0.1, "bias": 0.1, "sinks": 1.0}
-    with torch.no_grad():  # in parameter order, so a Qwen3-MoE draws what it drew when only its norms moved
-        for name, param in reference.named_parameters():
-            scale = next((scale for suffix, scale in scales.items() if name.endswith(suffix)), None)
-            if scale is not None:
-                param.add_(scale * torch.randn_like(param))
+# --- the two models' passes ----------------------------------------------------------------------------
 
 
 def _copy_arrays(tree):
@@ -411,14 +285,15 @@ def _eqmoe_train(model, batch, seed: int) -> Callable[[], Any]:
     return call
 
 
-def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
-    """transformers' own loss, backward, clipping and AdamW with eqmoe's OptimizerConfig defaults."""
+def _hf_train(reference, ids, adamw: str, dtype: str) -> Callable[[], Any]:
+    """transformers' own loss, backward, clipping and AdamW with eqmoe's OptimizerConfig defaults, on the device of
+    ``ids``: float32 weights, the forward pass under ``autocast`` to ``dtype`` unless that is float32."""
     import torch
 
     from eqmoe.train.optimizer import OptimizerConfig
 
     config = OptimizerConfig(warmup_steps=0)
-    model = copy.deepcopy(reference).train()
+    model = copy.deepcopy(reference).to(ids.device).train()
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if _decays(n)], "weight_decay": config.weight_decay},
@@ -430,8 +305,11 @@ def _hf_train(reference, ids, adamw: str) -> Callable[[], Any]:
     )
     params = [p for _, p in named]
 
+    autocast = dict(device_type=ids.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
     def call():
-        loss = model(ids, labels=ids, output_router_logits=True, use_cache=False).loss
+        with torch.autocast(**autocast):
+            loss = model(ids, labels=ids, output_router_logits=True, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
         optimizer.step()
@@ -727,6 +605,8 @@ def run(args: Args) -> dict:
     """Every selected row (and its breakdown): the results that ``--json-out`` writes."""
     if args.repeats < 1:
         raise UsageError(f"--repeats={args.repeats} is invalid; allowed: a positive number")
+    if args.breakdown and args.dtype != "float32":
+        raise UsageError(f"--breakdown is invalid with --dtype {args.dtype}: its components are timed in float32")
     rows = selected_rows(args)
     try:
         import torch
@@ -734,13 +614,19 @@ def run(args: Args) -> dict:
         raise UsageError("needs torch and transformers (pip install -e '.[test]')") from error
     torch.set_num_threads(os.cpu_count() or 1)
     info = machine()
+    device = info["torch_device"]
+    if args.breakdown and device != "cpu":
+        raise UsageError(f"--breakdown is invalid on {device}: its components are timed with torch on the CPU")
     print(
         f"machine: {info['cpu_count']} CPUs, jax {info['jax']} ({info['jax_backend']}), torch {info['torch']} "
-        f"({info['torch_threads']} threads), transformers {info['transformers']}; load average "
+        f"({device}, {info['torch_threads']} threads), transformers {info['transformers']}; load average "
         + " ".join(f"{x:.2f}" for x in info["load_average_at_start"])
     )
-    info["matmul_peak_gflops"] = 1e3 * flops.measure_peak_tflops(args.peak_size)
-    print(f"matmul peak: {info['matmul_peak_gflops']:.1f} GFLOP/s (float32 {args.peak_size}^2 jnp.dot, median of 5)")
+    info["matmul_peak_gflops"] = matmul_peak_gflops(args.peak_size, args.dtype)
+    print(
+        f"matmul peak: {info['matmul_peak_gflops']:.1f} GFLOP/s ({args.dtype} {args.peak_size}^2 jnp.dot, median of 5)"
+    )
+    settle_s = SETTLE_S if device == "cpu" else 0.0
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
     built: tuple = (None, None, None)
@@ -752,35 +638,57 @@ def run(args: Args) -> dict:
         if args.dispatch not in (None, "auto"):
             moe = dataclasses.replace(model.config.moe, dispatch=args.dispatch)
             model = model.with_config(model.config.replace(moe=moe))
+        else:  # what a training run on these shapes would choose, by the same measurement
+            resolved = autotune.resolve(model.config.replace(dtype=args.dtype), shape.batch, shape.seq)
+            model = model.with_config(resolved.config.replace(dtype=model.config.dtype))
+            results.setdefault("auto", {})[name] = [dataclasses.asdict(m) for m in resolved.measurements]
         ids = np.random.default_rng(args.seed).integers(0, shape.vocab, (shape.batch, shape.seq))
-        ids_t, batch = torch.from_numpy(ids).long(), _eqmoe_batch(ids)
+        ids_t, batch = torch.from_numpy(ids).long().to(device), _eqmoe_batch(ids)
         tokens = shape.batch * shape.seq
+        on_device = copy.deepcopy(reference).to(device) if device != "cpu" else reference
 
-        def hf_forward(reference=reference, ids_t=ids_t):
+        def hf_logits(reference, ids_t=ids_t):
             with torch.inference_mode():
                 return reference(ids_t, use_cache=False).logits
 
-        started = time.perf_counter()
-        ours_logits = np.asarray(jax.block_until_ready(_eqmoe_logits(model, batch)))
-        compile_s = time.perf_counter() - started
-        started = time.perf_counter()
-        theirs_logits = hf_forward().numpy()
-        first_s = time.perf_counter() - started
-        logit_diff = float(np.abs(ours_logits - theirs_logits).max())
-        backends = eqmoe_backends(model, shape)
-        print(f"{name}: {shape}: max |logit diff| eqmoe ({backends}) vs transformers {logit_diff:.2e}")
+        # the weights are checked in float32, where the two sides agree to rounding: in bfloat16 a token whose
+        # experts nearly tie can be routed apart by it. Inference holds its weights in --dtype, training in float32.
+        first: dict[str, float] = {}
+        diffs = {}
+        for dtype in dict.fromkeys(("float32", args.dtype)):
+            inference_model = model.cast(dtype).with_config(
+                model.config.replace(dtype=dtype, param_dtype=dtype), allow=("param_dtype",)
+            )
+            inference_reference = (
+                copy.deepcopy(on_device).to(getattr(torch, dtype)) if dtype != "float32" else on_device
+            )
+            started = time.perf_counter()
+            ours_logits = np.asarray(jax.block_until_ready(_eqmoe_logits(inference_model, batch)), np.float32)
+            first["eqmoe_first_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            theirs_logits = hf_logits(inference_reference).float().cpu().numpy()
+            first["hf_first_s"] = time.perf_counter() - started
+            diffs[dtype] = float(np.abs(ours_logits - theirs_logits).max())
+            del ours_logits, theirs_logits
+        logit_diff = diffs["float32"]
+        train_model = model.with_config(model.config.replace(dtype=args.dtype))
+        backends = eqmoe_backends(inference_model, shape)
+        in_dtype = f", {diffs[args.dtype]:.2e} in {args.dtype}" if args.dtype != "float32" else ""
+        print(f"{name}: {shape}: max |logit diff| eqmoe ({backends}) vs transformers {logit_diff:.2e}{in_dtype}")
         if not logit_diff < args.logit_tolerance:
             raise RuntimeError(f"{name}: logits differ by {logit_diff:.2e} >= {args.logit_tolerance}; not timing")
-        del ours_logits, theirs_logits
 
         for pass_name in passes:
             if pass_name == "forward":
-                timing = interleaved(lambda m=model, b=batch: _eqmoe_logits(m, b), hf_forward, args.repeats)
-                timing.update(eqmoe_first_s=compile_s, hf_first_s=first_s)  # the check's calls were the first
+                ours = lambda m=inference_model, b=batch: _eqmoe_logits(m, b)  # noqa: E731
+                theirs = lambda r=inference_reference: hf_logits(r)  # noqa: E731
+                timing = interleaved(ours, theirs, args.repeats, settle_s)
+                timing.update(first)  # the check's calls were the first
             else:
-                ours = _eqmoe_train(model, batch, args.seed)
-                timing = interleaved(ours, _hf_train(reference, ids_t, args.hf_adamw), args.repeats)
-                del ours
+                ours = _eqmoe_train(train_model, batch, args.seed)
+                theirs = _hf_train(reference, ids_t, args.hf_adamw, args.dtype)
+                timing = interleaved(ours, theirs, args.repeats, settle_s)
+                del ours, theirs
             per_token = flops.forward_flops_per_token(model.config, shape.seq)
             model_gflop = tokens * per_token * (1 if pass_name == "forward" else 3) / 1e9
             results["rows"].append(
@@ -801,6 +709,7 @@ def run(args: Args) -> dict:
                     "eqmoe_compile_s": timing["eqmoe_first_s"],
                     "hf_first_call_s": timing["hf_first_s"],
                     "logit_max_abs_diff": logit_diff,
+                    f"logit_max_abs_diff_{args.dtype}": diffs[args.dtype],
                     "eqmoe_backends": backends,
                 }
             )
@@ -822,6 +731,8 @@ def run(args: Args) -> dict:
     print("\n" + _table(header, [_row_cells(r) for r in results["rows"]]))
     print("ratio = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe faster); medians of", args.repeats, "calls")
     print(f"of peak = model FLOPs per second / the {info['matmul_peak_gflops']:.1f} GFLOP/s matmul peak measured above")
+    print(f"\neqmoe against the limit and against transformers ({args.dtype}, torch on {device}):")
+    print(summary_table(results["rows"]))
     if results["breakdown"]:
         cells = [
             [b["shape"], b["component"], b["pass"], f"{b['eqmoe_ms']:.2f}", f"{b['hf_ms']:.2f}", f"{b['ratio']:.2f}"]
@@ -867,6 +778,29 @@ def _sliding_over_full_line(ratio: dict) -> str:
         f"{ratio['eqmoe_fwd+bwd']:.3f}; transformers forward {ratio['hf_forward']:.3f}, "
         f"fwd+bwd {ratio['hf_fwd+bwd']:.3f}"
     )
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per row: eqmoe's fraction of the matmul peak and its speed over transformers', forward and train
+    (``-`` for a pass not run)."""
+    by_row: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_row.setdefault(row["shape"], {})[row["pass"]] = row
+    cells = [
+        [name]
+        + [
+            cell
+            for pass_name in PASSES
+            for cell in (
+                (f"{100 * passes[pass_name]['eqmoe_of_peak']:.1f}%", f"{passes[pass_name]['ratio']:.2f}x")
+                if pass_name in passes
+                else ("-", "-")
+            )
+        ]
+        for name, passes in by_row.items()
+    ]
+    header = ["row", "forward of peak", "forward vs HF", "train of peak", "train vs HF"]
+    return _table(header, cells)
 
 
 def _row_cells(row: dict) -> list[str]:

@@ -1,17 +1,22 @@
-"""The whole-model benchmark against transformers, on a tiny shape: rows, passes, breakdown and JSON."""
+"""The whole-model benchmark against transformers, on a tiny shape: rows, passes, breakdown and JSON; the MoE
+layer benchmark's dtype; the GPU script's syntax."""
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from experiments import bench_model
+from experiments import _bench_rows, bench_model, bench_moe
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 TINY = dict(layers=1, embed=32, heads=2, kv_heads=1, head_dim=16, experts=4, top_k=2, expert_dim=32, vocab=64)
+# the Shape fields a row leaves at their defaults unless its family has them
+UNSET = dict(window=None, linear_heads=None, latent=None, groups=None, shared_experts=0, dense_layers=0)
 
 
 def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
@@ -33,9 +38,7 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
     assert results["machine"]["cpu_count"] >= 1 and results["machine"]["jax_backend"]
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("small", "forward"), ("small", "train")]
     for row in results["rows"]:
-        assert row["config"] == {**TINY, "batch": 2, "seq": 16, "family": "qwen3_moe", "window": None} | {
-            "linear_heads": None
-        }
+        assert row["config"] == {**TINY, **UNSET, "batch": 2, "seq": 16, "family": "qwen3_moe"}
         assert row["logit_max_abs_diff"] < 1e-3
         for field in ("eqmoe_ms", "hf_ms", "eqmoe_tokens_per_s", "hf_tokens_per_s", "eqmoe_compile_s"):
             assert row[field] > 0, field
@@ -72,14 +75,7 @@ def test_gpt_oss_row_times_its_sliding_and_full_attention_apart(tmp_path):
 
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("gpt-oss", "forward")]
     for row in results["rows"]:
-        assert row["config"] == {
-            **shape,
-            "batch": 1,
-            "seq": 64,
-            "family": "gpt_oss",
-            "window": 16,
-            "linear_heads": None,
-        }
+        assert row["config"] == {**shape, **UNSET, "batch": 1, "seq": 64, "family": "gpt_oss", "window": 16}
         assert row["logit_max_abs_diff"] < 1e-3 and row["eqmoe_ms"] > 0 and row["hf_ms"] > 0
 
     by_name = {(entry["component"], entry["pass"]): entry for entry in results["breakdown"]}
@@ -119,7 +115,8 @@ def test_shape_selection_and_overrides():
     assert [(name, passes) for name, _, passes in rows] == [("wide", both), ("small", both)]
     assert all(shape.seq == 64 for _, shape, _ in rows)
     # gpt-oss's 1 x 8,192 row (12 minutes here) and qwen3-next's run when asked for
-    assert [name for name, _, _ in bench_model.selected_rows(bench_model.Args())] == ["small", "wide", "long"]
+    defaults = ["small", "wide", "long", "fine", "deepseek"]
+    assert [name for name, _, _ in bench_model.selected_rows(bench_model.Args())] == defaults
     [(name, shape, passes)] = bench_model.selected_rows(bench_model.Args(shape=("qwen3-next-train",)))
     assert (name, passes, shape.family, shape.linear_heads) == ("qwen3-next", ("train",), "qwen3_next", (2, 4))
     assert bench_model.main(bench_model.Args(shape=("huge",))) == 2
@@ -152,7 +149,7 @@ def test_qwen3_next_row_times_its_linear_and_full_attention_apart(tmp_path):
 
     assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("qwen3-next", "forward"), ("qwen3-next", "train")]
     for row in results["rows"]:
-        assert row["config"] == {**shape, "batch": 1, "seq": 64, "family": "qwen3_next", "window": None} | {
+        assert row["config"] == {**shape, **UNSET, "batch": 1, "seq": 64, "family": "qwen3_next"} | {
             "linear_heads": [2, 4]
         }
         assert row["logit_max_abs_diff"] < 1e-3 and row["eqmoe_ms"] > 0 and row["hf_ms"] > 0
@@ -193,3 +190,74 @@ def test_linear_layer_is_timed_alone_at_each_length():
         assert entry["temp_bytes_per_token"] == pytest.approx(entry["temp_bytes"] / entry["tokens"])
     assert entries[0]["per_token_over_first"] == 1.0 and entries[0]["temp_per_token_over_first"] == 1.0
     assert entries[1]["temp_per_token_over_first"] < 1.5  # a quadratic term would be 4x here
+
+
+def test_fine_and_deepseek_rows_have_their_families_proportions():
+    fine, deepseek = bench_model.SHAPES["fine"], bench_model.SHAPES["deepseek"]
+    # Qwen3-30B-A3B's: 128 experts top-8, a quarter of the model wide
+    assert (fine.family, fine.experts, fine.top_k, fine.embed, fine.layers, fine.expert_dim) == (
+        "qwen3_moe", 128, 8, 512, 4, 128
+    )  # fmt: skip
+    assert (fine.batch, fine.seq) == (4, 512)
+    # DeepSeek-V3's: 256 experts top-8 among 4 of 8 groups, one shared expert, a dense first layer, latent attention
+    assert (deepseek.family, deepseek.experts, deepseek.top_k, deepseek.groups) == ("deepseek_v3", 256, 8, (8, 4))
+    assert (deepseek.shared_experts, deepseek.dense_layers, deepseek.embed) == (1, 1, 512)
+    assert deepseek.latent is not None and 2 <= deepseek.layers <= 4 and 64 <= deepseek.expert_dim <= 128
+
+    config = _bench_rows._deepseek_v3_config(deepseek)  # as transformers reads it
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (256, 8, 8, 4)
+    assert (config.n_shared_experts, config.first_k_dense_replace, config.norm_topk_prob) == (1, 1, True)
+    assert config.routed_scaling_factor == 2.5 and config.moe_intermediate_size == deepseek.expert_dim
+
+    [(_, shape, _)] = bench_model.selected_rows(bench_model.Args(shape=("deepseek",), heads=2, kv_heads=2))
+    assert (shape.heads, shape.kv_heads, shape.groups) == (2, 2, (8, 4))
+    for wrong in (dict(kv_heads=4), dict(experts=12), dict(experts=16, top_k=12)):
+        assert bench_model.main(bench_model.Args(shape=("deepseek",), **wrong)) == 2, wrong
+
+
+def test_tiny_deepseek_row_in_bfloat16_against_transformers(tmp_path, capsys):
+    """DeepSeek-V3's row end to end (a dense layer, then 16 experts in 8 groups with a shared one): the weights
+    checked in float32, both passes timed in bfloat16, and the last table's line."""
+    out = tmp_path / "bench.json"
+    shape = dict(TINY, layers=2, kv_heads=2, experts=16, top_k=4)
+    args = bench_model.Args(
+        shape=("deepseek",), **shape, batch_size=2, seq_len=16, repeats=1, dtype="bfloat16", json_out=out,
+        peak_size=256,
+    )  # fmt: skip
+    assert bench_model.main(args) == 0
+    results = json.loads(out.read_text())
+    assert results["args"]["dtype"] == "bfloat16" and results["machine"]["matmul_peak_gflops"] > 0
+    assert [(r["shape"], r["pass"]) for r in results["rows"]] == [("deepseek", "forward"), ("deepseek", "train")]
+    for row in results["rows"]:
+        assert row["config"]["family"] == "deepseek_v3" and row["config"]["groups"] == [8, 4]
+        assert row["logit_max_abs_diff"] < 1e-3  # float32: the same weights
+        assert 0 < row["logit_max_abs_diff_bfloat16"] < 0.1
+        assert row["eqmoe_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["eqmoe_of_peak"] > 0
+    printed = capsys.readouterr().out
+    forward, train = results["rows"]
+    summary = f"{100 * forward['eqmoe_of_peak']:.1f}% | {forward['ratio']:.2f}x | {100 * train['eqmoe_of_peak']:.1f}%"
+    assert "| row | forward of peak | forward vs HF | train of peak | train vs HF |" in " ".join(printed.split())
+    assert summary in " ".join(printed.split())
+
+
+def test_dtype_flag_reaches_both_benchmarks():
+    import jax
+    import tyro
+
+    for module in (bench_model, bench_moe):
+        assert tyro.cli(module.Args, args=["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert bench_model.main(bench_model.Args(shape=("small",), dtype="bfloat16", breakdown=True)) == 2
+    args = bench_moe.Args(dtype="bfloat16", embed=16, expert_dim=8, experts=4, top_k=2)
+    layer = bench_moe._moe(args, "sorted", jax.random.key(0))
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(layer) if hasattr(leaf, "dtype")} == {"bfloat16"}
+
+
+def test_gpu_script_parses_and_names_every_backend():
+    script = Path(__file__).parents[1] / "experiments" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "set -euo pipefail" in text and "--dtype bfloat16" in text
+    assert "--backends sorted ragged_dot dense capacity" in text
+    from eqmoe.nn import dispatch
+
+    assert {"sorted", "ragged_dot", "dense", "capacity"} <= set(dispatch.BACKENDS.names())
