@@ -1,8 +1,9 @@
-"""Router and norm ablations: every variant trained with the same seed, data order and token budget.
+"""Router and norm ablations: every variant trained on the same seeds, data orders and token budget.
 
-    python -m experiments.ablate                                  # the default grid, ~9 min on 2 CPU cores
+    python -m experiments.ablate                                  # the default grid, 3 seeds, ~40 min on 2 CPU cores
     python -m experiments.ablate --variants baseline switch-top1  # a subset
-    python -m experiments.ablate --steps 1000 --out-dir runs/ablate-long
+    python -m experiments.ablate --seeds 5 --steps 1000 --out-dir runs/ablate-long
+    python -m experiments.ablate --match active-flops --variants-file granularity.json
     python -m experiments.ablate --data notes.txt --tokenizer DIR --import my_router --variants-file v.json
 
 A variant is a named set of config overrides on the base (``--preset``, or the model of ``--init-from-hf`` /
@@ -10,26 +11,57 @@ A variant is a named set of config overrides on the base (``--preset``, or the m
 ``--variants-file``: a JSON object ``{"name": {"field.path": value}}`` (with one and no ``--variants``,
 ``baseline`` and the file's variants run). ``--import MODULE`` is imported before any variant is checked, so a
 router strategy (or any part) it registers can be named there. ``--data`` and ``--tokenizer`` are pretrain's.
-Every variant is checked before any trains: a bad field or value names its variant. Each variant is an
-``experiments.pretrain`` run in ``--out-dir/NAME``: a variant with a ``summary.json`` is skipped (refused if
-it finished with other overrides), and one that was interrupted resumes
-from its last checkpoint. Outputs: ``results.md`` (the table and, per row, the ``pretrain`` command
-that reproduces it), ``results.json`` (every figure, per layer too, and each variant's overrides),
-``eval_loss.png`` (eval loss against tokens seen) and ``load_balance.png`` (load CV per variant and layer).
+Every variant is checked before any trains: a bad field or value names its variant.
+
+Every variant runs once per seed ``--seed, --seed + 1, ...`` (``--seeds`` of them), the same seeds for every
+variant: a seed sets the initial parameters and the data order together (and the text of the built-in corpus), so
+a variant and the baseline of one seed differ only in the variant's overrides and their difference is paired.
+Each run is an ``experiments.pretrain`` run in ``--out-dir/NAME/seed-S`` (a folder written before seeds existed,
+``--out-dir/NAME``, is read as seed ``--seed``): a run with a ``summary.json`` is skipped (refused if it finished
+with other overrides), and one that was interrupted resumes from its last checkpoint. More seeds may be added to a
+folder later; other settings may not.
+
+``--match tokens`` (the default) trains every variant on the same steps x batch x seq tokens; ``--match
+active-flops`` also sets each variant's ``moe.expert_dim`` (a multiple of 8) to bring its model FLOPs per token
+closest to the baseline's, within 2% where the step of 8 allows (a variant that sets ``moe.expert_dim`` itself keeps
+it); the widths and the FLOP gaps left are printed and stored.
+
+Outputs: ``results.md`` (per variant the mean and 95% t-interval over seeds of every figure, the paired difference
+to the baseline with its interval, whether it holds after a Holm correction over the grid, the smallest difference
+the comparison could detect, the baseline's seed-to-seed spread, the compute of each variant, and per run the
+``pretrain`` command that reproduces it), ``results.json`` (every figure, per seed and per layer too, and each
+variant's overrides), ``eval_loss.png`` (eval loss against tokens seen, a band over seeds) and ``load_balance.png``
+(load CV per variant and layer, the mean over seeds). The statistics are :mod:`eqmoe.analysis.ablation_stats`.
 """
 
 import dataclasses
+import functools
 import json
+import math
 import re
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import tyro
 
-from eqmoe.config_io import format_override, parse_override
+from eqmoe.analysis.ablation_stats import (
+    ALPHA,
+    LEVEL,
+    POWER,
+    compare_to_baseline,
+    curve_intervals,
+    mean_of,
+    summarize_runs,
+)
+from eqmoe.analysis.params import count_parameters
+from eqmoe.config import ModelConfig
+from eqmoe.config_io import apply_overrides, format_override, parse_override
+from eqmoe.flops import model_flops_per_token
 from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
 from eqmoe.train.loop import OutputOptions
 from eqmoe.train.tracking import TrackerOptions
@@ -99,7 +131,12 @@ class Args(StartOptions, ShapeOptions, TokenizerOption, MeshOptions, TrackerOpti
     checkpoint_every: int = 50
     """Checkpoint every N steps: at most this many steps are redone after an interruption."""
     seed: int = 0
-    """Seed for parameters, data and data order, the same for every variant."""
+    """First seed: the runs of every variant use seeds --seed, --seed + 1, ..., --seed + --seeds - 1."""
+    seeds: int = 3
+    """Seeds per variant; each sets the initial parameters, the data order and the built-in corpus' text together."""
+    match: Literal["tokens", "active-flops"] = "tokens"
+    """tokens: every variant trains on steps x batch x seq tokens. active-flops: also sets each variant's
+    moe.expert_dim (a multiple of 8) to bring its FLOPs per token closest to the baseline's."""
     data: tuple[Path, ...] = ()
     """Text files (one document each) or JSONL files of {"text", "domain"} (default: the built-in corpus)."""
     chars_per_domain: int = 400_000
@@ -118,14 +155,16 @@ _OPTIONAL_INPUTS = {
     "override": (),
     "dtype": "float32",
     "remat": "none",
+    "match": "tokens",
 }
 
 
 def settings(args: Args) -> dict:
-    """What every variant shares; an output folder holds results of one setting only."""
+    """What every variant shares; an output folder holds results of one setting only. The number of seeds is not
+    one: more seeds are more runs of the same setting."""
     fields = dataclasses.asdict(args)
     views = {f.name for f in dataclasses.fields(MeshOptions) + dataclasses.fields(TrackerOptions)}
-    views |= {"variants", "out_dir", "variants_file", "import_modules"}
+    views |= {"variants", "out_dir", "variants_file", "import_modules", "seeds"}
     kept = {
         name: value
         for name, value in fields.items()
@@ -179,8 +218,25 @@ def chosen_variants(args: Args, table: dict[str, dict[str, object]]) -> list[str
     return ["baseline", *(name for name in table if name not in VARIANTS)]
 
 
-def pretrain_args(args: Args, name: str, table: dict[str, dict[str, object]] | None = None) -> pretrain.Args:
-    """The ``experiments.pretrain`` arguments of variant ``name`` (of ``table``, default :data:`VARIANTS`)."""
+def seeds_of(args: Args) -> list[int]:
+    """``--seed``, ``--seed + 1``, ... : ``--seeds`` of them, the same for every variant."""
+    return list(range(args.seed, args.seed + args.seeds))
+
+
+def run_folder(args: Args, name: str, seed: int) -> Path:
+    """``--out-dir/NAME/seed-S``; for seed ``--seed``, ``--out-dir/NAME`` when it holds a run of before seeds."""
+    variant_folder = args.out_dir / name
+    if seed == args.seed and any((variant_folder / output).exists() for output in ("summary.json", "checkpoints")):
+        return variant_folder
+    return variant_folder / f"seed-{seed}"
+
+
+def pretrain_args(
+    args: Args, name: str, table: dict[str, dict[str, object]] | None = None, seed: int | None = None
+) -> pretrain.Args:
+    """The ``experiments.pretrain`` arguments of variant ``name`` (of ``table``, default :data:`VARIANTS`) with
+    ``seed`` (default ``--seed``)."""
+    seed = args.seed if seed is None else seed
     overrides = {**BASE_OVERRIDES, **(VARIANTS if table is None else table)[name]}
     defaults = pretrain.Args()
     return pretrain.Args(
@@ -212,11 +268,11 @@ def pretrain_args(args: Args, name: str, table: dict[str, dict[str, object]] | N
         run=dataclasses.replace(
             defaults.run,
             steps=args.steps,
-            out_dir=args.out_dir / name,
+            out_dir=run_folder(args, name, seed),
             checkpoint_every=args.checkpoint_every,
             eval_every=args.eval_every,
             log_every=min(50, args.steps),
-            seed=args.seed,
+            seed=seed,
             tracker=args.tracker,
             wandb_project=args.wandb_project,
         ),
@@ -250,25 +306,234 @@ def command(args: pretrain.Args) -> str:
     return shlex.join(words)
 
 
-def _variant_record(args: pretrain.Args, summary: dict, overrides: dict[str, object]) -> dict:
-    records = [json.loads(line) for line in (args.run.out_dir / "metrics.jsonl").read_text().splitlines() if line]
-    tokens_per_step = args.data.batch_size * args.data.seq_len
-    curve = [[r["step"] * tokens_per_step, r["eval_loss"]] for r in records if "eval_loss" in r]
+# --- --match active-flops ---------------------------------------------------------------------------------------
+
+FLOP_TOLERANCE = 0.02  # the FLOP gap to the baseline --match active-flops aims within
+WIDTH_STEP = 8  # matched expert widths are multiples of this
+
+
+def _flops(config: ModelConfig, seq_len: int, expert_dim: int | None = None) -> float:
+    if expert_dim is not None:
+        config = apply_overrides(config, {"moe.expert_dim": expert_dim})
+    return model_flops_per_token(config, seq_len)
+
+
+def matched_expert_dim(config: ModelConfig, target_flops: float, seq_len: int) -> int:
+    """The ``moe.expert_dim``, a multiple of :data:`WIDTH_STEP` or ``config``'s own, whose model FLOPs per token at
+    ``seq_len`` come closest to ``target_flops``. FLOPs grow linearly with the width, so two widths locate the
+    answer and the multiples on either side of it are compared exactly."""
+    own = config.moe.expert_dim
+    flops = functools.cache(functools.partial(_flops, config, seq_len))
+    slope = (flops(own + WIDTH_STEP) - flops(own)) / WIDTH_STEP
+    if slope <= 0:  # no layer runs the routed experts: the width costs nothing
+        return own
+    estimate = own + (target_flops - flops(own)) / slope
+    below = max(WIDTH_STEP, math.floor(estimate / WIDTH_STEP) * WIDTH_STEP)
+    candidates = sorted({own, below, below + WIDTH_STEP})
+    return min(candidates, key=lambda width: (abs(flops(width) - target_flops), width != own))
+
+
+def matched_widths(
+    table: dict[str, dict[str, object]], names: list[str], configs: dict[str, ModelConfig], seq_len: int
+) -> dict[str, int]:
+    """``--match active-flops``: the matched ``moe.expert_dim`` of each variant of ``names`` whose width changes
+    (not the baseline's, not one a variant sets itself, not a model without MoE layers)."""
+    target = model_flops_per_token(configs["baseline"], seq_len)
+    widths = {}
+    for name in names:
+        config = configs[name]
+        if name == "baseline" or config.moe is None or "moe.expert_dim" in table[name]:
+            continue
+        width = matched_expert_dim(config, target, seq_len)
+        if width != config.moe.expert_dim:
+            widths[name] = width
+    return widths
+
+
+# --- checks before anything trains ------------------------------------------------------------------------------
+
+
+def _as_recorded(overrides: dict[str, object]) -> dict[str, object]:
+    """``overrides`` as a pretrain summary records them (through their ``FIELD.PATH=VALUE`` text)."""
+    return dict(parse_override(format_override(path, value)) for path, value in overrides.items())
+
+
+def variant_configs(args: Args, table: dict[str, dict[str, object]], names: list[str]) -> dict[str, ModelConfig]:
+    """The config of the baseline, of every variant to run and of every variant in the file: a bad field or value,
+    or one that would reshape a loaded model, is a ``UsageError`` naming the variant."""
+    start = pretrain.start_config(pretrain_args(args, "baseline", table).model)
+    configs = {}
+    for name in dict.fromkeys(["baseline", *names, *(name for name in table if name not in VARIANTS)]):
+        try:
+            configs[name] = pretrain.model_config(pretrain_args(args, name, table).model, start)
+        except (ValueError, UsageError) as error:
+            where = "" if name in VARIANTS else f"--variants-file {args.variants_file}: "
+            raise UsageError(f"{where}variant {name!r}: {error}") from None
+    return configs
+
+
+def check_variants(args: Args, table: dict[str, dict[str, object]], names: list[str]) -> dict[str, ModelConfig]:
+    """:func:`variant_configs`, and every run that finished before must have finished with its variant's overrides
+    of now (else its row would report another run)."""
+    configs = variant_configs(args, table, names)
+    for name in names:
+        for seed in seeds_of(args):
+            folder = run_folder(args, name, seed)
+            if not (folder / "summary.json").is_file():
+                continue
+            recorded = json.loads((folder / "summary.json").read_text()).get("overrides")
+            if recorded != _as_recorded({**BASE_OVERRIDES, **table[name]}):
+                raise UsageError(
+                    f"variant {name!r} finished in {folder} with other overrides {json.dumps(recorded)} "
+                    f"(now {json.dumps(table[name])} on the base); rename it, or use another --out-dir"
+                )
+    return configs
+
+
+# --- one run: train or read it ----------------------------------------------------------------------------------
+
+RUN_EXTRAS = "ablation_run.json"  # beside a run's summary: its wall time and per-domain held-out loss
+
+
+def _train_or_read(variant: pretrain.Args, label: str, overrides: dict[str, object]) -> dict:
+    """The run's summary: read when it finished before, else trained (resumed when it was interrupted)."""
+    folder = variant.run.out_dir
+    if (folder / "summary.json").is_file():
+        print(f"{label}: finished before, skipped", file=sys.stderr)
+        return json.loads((folder / "summary.json").read_text())
+    print(f"{label}: {json.dumps(overrides)}", file=sys.stderr)
+    interrupted = (folder / "checkpoints").is_dir()
+    started = time.perf_counter()
+    summary = pretrain.run(dataclasses.replace(variant, run=dataclasses.replace(variant.run, resume=interrupted)))
+    # An interrupted run's earlier part went unclocked: no wall time rather than a short one.
+    write_json_atomic(folder / RUN_EXTRAS, {"wall_seconds": None if interrupted else time.perf_counter() - started})
+    return summary
+
+
+def held_out_domain_losses(variant: pretrain.Args, domains: list[str]) -> dict[str, float | None] | None:
+    """The mean next-token loss of each domain's held-out tokens under the run's last checkpoint (``None``: no
+    checkpoint, or no MoE layer to record)."""
+    from eqmoe.analysis.routing_maps import RoutingRecorder, concat_records, domain_routing, moe_layer_numbers
+    from eqmoe.checkpoints.model_checkpoint import load_model
+    from eqmoe.data.corpus import pack_documents
+    from eqmoe.lora import merge_lora
+
+    checkpoints = variant.run.out_dir / "checkpoints"
+    if not checkpoints.is_dir():
+        return None
+    model = merge_lora(load_model(checkpoints)[0])
+    if not len(moe_layer_numbers(model.config)):
+        return None
+    _, documents, _ = pretrain._documents(variant.data, variant.run.seed)
+    tokenizer = pretrain._tokenizer(variant)
+    held_out = pack_documents(documents, tokenizer, variant.data.seq_len, domains=domains).packed
+    recorder, batch_size, count = RoutingRecorder(model), variant.data.batch_size, len(held_out.rows.tokens)
+    parts = []
+    for start in range(0, count, batch_size):  # whole batches, the last filled with padding: one compilation
+        index = np.arange(start, start + batch_size) % count
+        real = (np.arange(batch_size) + start < count)[:, None]
+        tokens, segments, positions, _ = (np.where(real, np.asarray(array)[index], 0) for array in held_out.rows)
+        labels = np.where(real & (segments > 0), held_out.labels[index], -1)
+        parts.append(
+            recorder(tokens, segment_ids=segments, positions=positions, token_mask=segments > 0, domains=labels)
+        )
+    losses = domain_routing(concat_records(parts), len(domains)).loss
+    return {domain: float(loss) if np.isfinite(loss) else None for domain, loss in zip(domains, losses, strict=True)}
+
+
+def _run_extras(variant: pretrain.Args, summary: dict) -> dict:
+    """The run's :data:`RUN_EXTRAS`, its per-domain losses computed once (a run of before seeds has none yet)."""
+    path = variant.run.out_dir / RUN_EXTRAS
+    extras = json.loads(path.read_text()) if path.is_file() else {}
+    if "domain_loss" not in extras and summary.get("domains"):
+        extras["domain_loss"] = held_out_domain_losses(variant, summary["domains"])
+        write_json_atomic(path, extras)
+    return extras
+
+
+def run_record(variant: pretrain.Args, summary: dict, extras: dict) -> dict:
+    """One run's figures: the held-out ones at its end, its eval-loss curve, compute and reproducing command."""
+    lines = (variant.run.out_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line]
+    tokens_per_step = summary.get("tokens_per_step", variant.data.batch_size * variant.data.seq_len)
     return {
-        "overrides": overrides,
-        "all_overrides": {**BASE_OVERRIDES, **overrides},
-        "command": command(args),
+        "seed": variant.run.seed,
+        "command": command(variant),
         "eval_loss": summary["eval_loss"],
         "final_train_loss": summary["final_loss"],
         "load_cv": summary.get("eval_load_cv"),
         "max_min_ratio": summary.get("eval_max_min_ratio"),
+        "max_vio": summary.get("eval_max_vio"),
         "dropped_fraction": summary.get("eval_dropped_fraction"),
         "router_entropy": summary.get("eval_router_entropy"),
         "domain_nmi": summary.get("eval_domain_nmi"),
+        "domain_loss": extras.get("domain_loss"),
         "tokens_per_second": summary["tokens_per_second"],
-        "eval_curve": curve,
+        "tokens_seen": summary.get("steps", variant.run.steps) * tokens_per_step,
+        "wall_seconds": extras.get("wall_seconds"),
+        "eval_curve": [[r["step"] * tokens_per_step, r["eval_loss"]] for r in records if "eval_loss" in r],
         "layers": summary.get("layers"),
     }
+
+
+# --- a variant's runs together ----------------------------------------------------------------------------------
+
+
+def variant_row(overrides: dict[str, object], runs: dict[int, dict], compute: dict | None = None) -> dict:
+    """A variant's row of ``results.json`` from its runs by seed: the means over seeds under the keys one run's
+    figures have (as a results file of before seeds held them), their t-intervals (``stats``), the compute
+    (``compute``, with the runs' mean tokens and wall time) and every run (``runs``, by seed)."""
+    seeds = sorted(runs)
+    ordered = [runs[seed] for seed in seeds]
+    summary = summarize_runs(ordered)
+    return {
+        "overrides": overrides,
+        "all_overrides": {**BASE_OVERRIDES, **overrides},
+        "seeds": seeds,
+        "command": ordered[0]["command"],
+        **summary,
+        "vs_baseline": None,
+        "compute": {
+            **(compute or {}),
+            "tokens_seen": mean_of(run.get("tokens_seen") for run in ordered),
+            "wall_seconds": mean_of(run.get("wall_seconds") for run in ordered),
+        },
+        "runs": {str(seed): runs[seed] for seed in seeds},
+    }
+
+
+def runs_of(row: dict, seed: int) -> dict[int, dict]:
+    """A ``results.json`` row's runs by seed; a row written before seeds is one run, of ``seed``."""
+    return {int(s): run for s, run in row["runs"].items()} if "runs" in row else {seed: row}
+
+
+def compare_rows(rows: dict[str, dict]) -> dict | None:
+    """Fill each row's ``vs_baseline`` (the paired eval-loss difference, Holm over every compared row); the
+    baseline's seed-to-seed spread of eval loss, the noise floor (``None`` without a baseline)."""
+    eval_losses = {
+        name: {seed: run["eval_loss"] for seed, run in runs_of(row, -1).items()} for name, row in rows.items()
+    }
+    for name, compared in compare_to_baseline(eval_losses, "baseline", LEVEL, ALPHA).items():
+        rows[name]["vs_baseline"] = compared
+    baseline = rows.get("baseline", {}).get("stats", {}).get("eval_loss")
+    return None if baseline is None else {"eval_loss_sd": baseline["sd"], "seeds": baseline["n"]}
+
+
+def compute_of(config: ModelConfig, baseline: ModelConfig, seq_len: int, expert_dim_from: str) -> dict:
+    """Parameters, model FLOPs per token (a training step's, at ``seq_len``) and their gap to the baseline's."""
+    total, active = count_parameters(config)
+    flops = model_flops_per_token(config, seq_len)
+    return {
+        "total_parameters": total,
+        "active_parameters": active,
+        "flops_per_token": flops,
+        "flop_gap": flops / model_flops_per_token(baseline, seq_len) - 1,
+        "expert_dim": None if config.moe is None else config.moe.expert_dim,
+        "expert_dim_from": expert_dim_from,
+    }
+
+
+# --- results.md and the figures ---------------------------------------------------------------------------------
 
 
 def _cell(value, digits: int = 3) -> str:
@@ -277,10 +542,61 @@ def _cell(value, digits: int = 3) -> str:
     return "inf" if value == float("inf") else f"{value:.{digits}f}"
 
 
+def _estimate(stat: dict | None, digits: int = 3) -> str:
+    """The mean ± the half-width of its interval (the mean alone from one seed)."""
+    if stat is None or stat["low"] is None:
+        return _cell(None if stat is None else stat["mean"], digits)
+    return f"{stat['mean']:.{digits}f} ± {(stat['high'] - stat['low']) / 2:.{digits}f}"
+
+
+def _versus(compared: dict | None) -> str:
+    if compared is None:
+        return ""
+    if compared["low"] is None:
+        return f"{compared['mean']:+.3f} (n=1)"
+    mark = " *" if compared["holds"] else ""
+    return f"{compared['mean']:+.3f} [{compared['low']:+.3f}, {compared['high']:+.3f}]{mark}"
+
+
+def _seeds_text(seeds: list[int]) -> str:
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
+
+
+def _explanation(results: dict) -> list[str]:
+    compared = [row["vs_baseline"] for row in results["variants"].values() if row.get("vs_baseline")]
+    tested = sum(row["p_value"] is not None for row in compared)
+    floor = results.get("noise_floor")
+    lines = [
+        f"Each figure is the mean over seeds ± the half-width of its {LEVEL:.0%} t-interval (t_{{0.975,n-1}} sd / "
+        "√n; the mean alone from one seed). A seed sets the initial parameters, the data order and the built-in "
+        "corpus' text together, the same seeds for every variant, so *vs baseline* is the mean paired difference "
+        f"variant − baseline over their common seeds with its {LEVEL:.0%} t-interval (n=1: no interval). "
+        + (
+            f"* marks a difference whose two-sided paired t-test passes Holm's correction at {ALPHA} over the "
+            f"{tested} compared variants. "
+            if tested
+            else "No comparison has two seeds: nothing is tested. "
+        )
+        + f"*Detectable* is the smallest paired difference the comparison would find with {POWER:.0%} power at "
+        f"{ALPHA} two-sided: (t_{{0.975,n-1}} + t_{{0.8,n-1}}) sd_diff / √n, sd_diff the spread of the per-seed "
+        "differences.",
+    ]
+    if floor is not None and floor["eval_loss_sd"] is not None:
+        lines += [
+            "",
+            f"Noise floor: the baseline's eval loss has sd {floor['eval_loss_sd']:.4f} over its "
+            f"{floor['seeds']} seeds.",
+        ]
+    elif floor is not None:
+        lines += ["", "Noise floor: unknown, the baseline ran with one seed."]
+    return lines
+
+
 def results_table(results: dict) -> str:
-    """``results.md``: one row per variant, then the command reproducing each."""
-    base = results["variants"].get("baseline", {}).get("eval_loss")
+    """``results.md``: per variant its figures over seeds and its difference to the baseline, per-domain losses,
+    compute, then the command reproducing each run."""
     run = results["settings"]
+    rows = results["variants"]
     start = run.get("init_from_hf") or run.get("init_from_checkpoint")
     quoted = lambda items: ", ".join(f"`{item}`" for item in items)  # noqa: E731
     inputs = [
@@ -293,32 +609,86 @@ def results_table(results: dict) -> str:
         if items
     ]
     model = f"from `{start}`" if start else f"on {run['preset']}"
+    seeds = results.get("seeds", [run["seed"]])
     lines = [
-        f"# Ablation {model}: {run['steps']} steps x {run['batch_size']} x {run['seq_len']} tokens, seed {run['seed']}",
+        f"# Ablation {model}: {run['steps']} steps x {run['batch_size']} x {run['seq_len']} tokens, "
+        f"{_seeds_text(seeds)}",
         "",
         f"Base overrides: `{json.dumps(BASE_OVERRIDES)}`. Routing figures are on the held-out set at the end, averaged "
-        "over MoE layers; NMI is the normalised mutual information of expert choice and data domain.",
+        "over MoE layers; MaxVio is the most loaded expert's load over the mean load, minus 1; NMI is the normalised "
+        "mutual information of expert choice and data domain.",
         *(["", " ".join(inputs)] if inputs else []),
         "",
-        "| variant | eval loss | vs baseline | load CV | max/min load | dropped | router entropy | domain NMI "
-        "| tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *_explanation(results),
+        "",
+        "| variant | seeds | eval loss | vs baseline | detectable | load CV | MaxVio | dropped | router entropy "
+        "| max/min load | domain NMI | tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, row in results["variants"].items():
-        delta = "" if base is None or name == "baseline" else f"{row['eval_loss'] - base:+.3f}"
+    for name, row in rows.items():
+        stats, compared = row.get("stats", {}), row.get("vs_baseline")
+        detectable = None if compared is None else compared["min_detectable"]
         lines.append(
-            f"| {name} | {row['eval_loss']:.3f} | {delta} | {_cell(row['load_cv'])} | {_cell(row['max_min_ratio'], 1)} "
-            f"| {_cell(row['dropped_fraction'])} | {_cell(row['router_entropy'])} | {_cell(row['domain_nmi'])} "
-            f"| {row['tokens_per_second'] or 0:,.0f} |"
+            f"| {name} | {len(row.get('seeds', [0]))} | {_estimate(stats.get('eval_loss'))} | {_versus(compared)} "
+            f"| {_cell(detectable) if compared else ''} | {_estimate(stats.get('load_cv'))} "
+            f"| {_estimate(stats.get('max_vio'))} | {_estimate(stats.get('dropped_fraction'))} "
+            f"| {_estimate(stats.get('router_entropy'))} | {_cell(row['max_min_ratio'], 1)} "
+            f"| {_cell(row['domain_nmi'])} | {row['tokens_per_second'] or 0:,.0f} |"
         )
-    lines += ["", "## Reproduce a row", ""]
-    for name, row in results["variants"].items():
-        lines += [f"- {name} (`{json.dumps(row['overrides'])}`):", f"  `{row['command']}`"]
+    domains = list(dict.fromkeys(d for row in rows.values() for d in row.get("stats", {}).get("domain_loss", {})))
+    if domains:
+        lines += ["", "## Held-out loss per domain", "", f"| variant | {' | '.join(domains)} |"]
+        lines.append("|---" * (len(domains) + 1) + "|")
+        for name, row in rows.items():
+            by_domain = row.get("stats", {}).get("domain_loss", {})
+            lines.append(f"| {name} | {' | '.join(_estimate(by_domain.get(d)) for d in domains)} |")
+    lines += _compute_table(results)
+    lines += ["", "## Reproduce a run", ""]
+    for name, row in rows.items():
+        lines.append(f"- {name} (`{json.dumps(row['overrides'])}`):")
+        for seed, run_row in row.get("runs", {"": row}).items():
+            lines.append(f"  - {f'seed {seed}: ' if seed else ''}`{run_row['command']}`")
     return "\n".join(lines) + "\n"
 
 
+def _compute_table(results: dict) -> list[str]:
+    rows = {name: row["compute"] for name, row in results["variants"].items() if row.get("compute")}
+    if not rows:
+        return []
+    match = results.get("match", "tokens")
+    lines = [
+        "",
+        "## Compute",
+        "",
+        f"`--match {match}`: "
+        + (
+            "every variant trains on the same tokens."
+            if match == "tokens"
+            else f"every variant trains on the same tokens, its `moe.expert_dim` chosen (a multiple of {WIDTH_STEP}) "
+            f"to bring its FLOPs per token closest to the baseline's; (!) marks a gap beyond {FLOP_TOLERANCE:.0%}."
+        )
+        + " FLOPs per token are a training step's model FLOPs (`eqmoe.flops.model_flops_per_token`); wall time is "
+        "the mean over seeds of the process that trained each run (– for one resumed, or of before seeds).",
+        "",
+        "| variant | parameters | active | FLOPs/token | vs baseline | moe.expert_dim | tokens seen | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, compute in rows.items():
+        gap = compute.get("flop_gap")
+        beyond = " (!)" if gap is not None and abs(gap) > FLOP_TOLERANCE and match == "active-flops" else ""
+        width = compute.get("expert_dim")
+        source = {"match": " (matched)", "variant": " (its own)"}.get(compute.get("expert_dim_from"), "")
+        lines.append(
+            f"| {name} | {compute.get('total_parameters') or 0:,} | {compute.get('active_parameters') or 0:,} "
+            f"| {(compute.get('flops_per_token') or 0) / 1e6:,.2f} M | {'' if gap is None else f'{gap:+.1%}'}{beyond} "
+            f"| {'–' if width is None else width}{source} | {compute.get('tokens_seen') or 0:,.0f} "
+            f"| {_cell(compute.get('wall_seconds'), 0)} |"
+        )
+    return lines
+
+
 def plot_results(results: dict, out_dir: Path) -> None:
-    """``eval_loss.png`` and ``load_balance.png``."""
+    """``eval_loss.png`` (the mean over seeds, a band for its interval) and ``load_balance.png`` (the mean)."""
     from matplotlib import colormaps
 
     variants = results["variants"]
@@ -326,14 +696,18 @@ def plot_results(results: dict, out_dir: Path) -> None:
     axis = figure.subplots()
     colors = colormaps["tab20"].colors
     for number, (name, row) in enumerate(variants.items()):
-        curve = np.asarray(row["eval_curve"])
+        tokens, intervals = curve_intervals(list(runs_of(row, 0).values()))
+        mean, low, high = (np.asarray([getattr(i, field) for i in intervals]) for field in ("mean", "low", "high"))
+        color = colors[number % len(colors)]
         style = "o-" if name == "baseline" else (".-" if number % 2 else ".--")
-        axis.plot(curve[:, 0], curve[:, 1], style, label=name, markersize=4, color=colors[number % len(colors)])
+        axis.plot(tokens, mean, style, label=name, markersize=4, color=color)
+        if len(row.get("seeds", [])) > 1:
+            axis.fill_between(tokens, low, high, color=color, alpha=0.15, linewidth=0)
     axis.set_xlabel("tokens seen")
     axis.set_ylabel("eval loss (nats/token)")
     axis.set_yscale("log")
     axis.legend(fontsize=7, ncol=2)
-    axis.set_title("held-out loss per variant")
+    axis.set_title(f"held-out loss per variant (mean over seeds, band: {LEVEL:.0%} t-interval)")
     save_figure(figure, out_dir / "eval_loss.png")
 
     names = [name for name, row in variants.items() if row.get("layers")]
@@ -348,43 +722,54 @@ def plot_results(results: dict, out_dir: Path) -> None:
             shade = "white" if value > 0.6 * table.max() else "black"
             axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color=shade)
         figure.colorbar(image, label="load CV (0 = uniform)")
-        axis.set_title("expert load imbalance per variant and layer")
+        axis.set_title("expert load imbalance per variant and layer (mean over seeds)")
         figure.tight_layout()
         save_figure(figure, out_dir / "load_balance.png")
 
 
-def _as_recorded(overrides: dict[str, object]) -> dict[str, object]:
-    """``overrides`` as a pretrain summary records them (through their ``FIELD.PATH=VALUE`` text)."""
-    return dict(parse_override(format_override(path, value)) for path, value in overrides.items())
+# --- the grid ---------------------------------------------------------------------------------------------------
 
 
-def check_variants(args: Args, table: dict[str, dict[str, object]], names: list[str]) -> None:
-    """Build the config of every variant to run and of every variant in the file, before any trains: a bad field
-    or value, or one that would reshape a loaded model, is a ``UsageError`` naming the variant. A variant that
-    finished before must have finished with its overrides of now (else its row would report another run)."""
-    start = pretrain.start_config(pretrain_args(args, "baseline", table).model)
-    for name in dict.fromkeys([*names, *(name for name in table if name not in VARIANTS)]):
-        variant = pretrain_args(args, name, table)
-        try:
-            pretrain.model_config(variant.model, start)
-        except (ValueError, UsageError) as error:
-            where = "" if name in VARIANTS else f"--variants-file {args.variants_file}: "
-            raise UsageError(f"{where}variant {name!r}: {error}") from None
-        summary_path = variant.run.out_dir / "summary.json"
-        if name in names and summary_path.is_file():
-            recorded = json.loads(summary_path.read_text()).get("overrides")
-            if recorded != _as_recorded({**BASE_OVERRIDES, **table[name]}):
-                raise UsageError(
-                    f"variant {name!r} finished in {variant.run.out_dir} with other overrides {json.dumps(recorded)} "
-                    f"(now {json.dumps(table[name])} on the base); rename it, or use another --out-dir"
-                )
+def _resolve_widths(
+    args: Args, table: dict[str, dict[str, object]], names: list[str]
+) -> tuple[dict[str, dict[str, object]], dict[str, str]]:
+    """The table with ``--match active-flops``'s widths in the variants' overrides, and where each variant's
+    ``moe.expert_dim`` comes from (``base``, ``variant`` or ``match``)."""
+    origin = {name: "variant" if "moe.expert_dim" in table[name] else "base" for name in table}
+    if args.match == "tokens":
+        return table, origin
+    configs = variant_configs(args, table, names)
+    if configs["baseline"].moe is None:
+        raise UsageError("--match active-flops: the baseline has no MoE layer, no expert width to match")
+    widths = matched_widths(table, names, configs, args.seq_len)
+    resolved = {
+        name: {**overrides, **({"moe.expert_dim": widths[name]} if name in widths else {})}
+        for name, overrides in table.items()
+    }
+    return resolved, {**origin, **dict.fromkeys(widths, "match")}
+
+
+def _report_widths(names: list[str], configs: dict[str, ModelConfig], origin: dict[str, str], seq_len: int) -> None:
+    target = model_flops_per_token(configs["baseline"], seq_len)
+    print("--match active-flops: moe.expert_dim and FLOPs per token vs the baseline's", file=sys.stderr)
+    for name in names:
+        config = configs[name]
+        gap = model_flops_per_token(config, seq_len) / target - 1
+        width = "–" if config.moe is None else config.moe.expert_dim
+        note = f" (beyond {FLOP_TOLERANCE:.0%})" if abs(gap) > FLOP_TOLERANCE else ""
+        print(f"  {name}: {width} ({origin[name]}), {gap:+.2%}{note}", file=sys.stderr)
 
 
 def run(args: Args) -> dict:
     import_modules(args.import_modules)  # before any config is checked: what it registers is nameable
+    if args.seeds < 1:
+        raise UsageError(f"--seeds {args.seeds}: allowed: an integer >= 1")
     table = variant_table(args)
     names = chosen_variants(args, table)
-    check_variants(args, table, names)
+    table, origin = _resolve_widths(args, table, names)
+    configs = check_variants(args, table, names)
+    if args.match == "active-flops":
+        _report_widths(names, configs, origin, args.seq_len)
     settings_path = args.out_dir / "ablation.json"
     if settings_path.is_file() and json.loads(settings_path.read_text()) != settings(args):
         raise UsageError(
@@ -393,25 +778,30 @@ def run(args: Args) -> dict:
     write_json_atomic(settings_path, settings(args))
     results_path = args.out_dir / "results.json"
     previous = json.loads(results_path.read_text())["variants"] if results_path.is_file() else {}
-    variants = {}
-    for number, name in enumerate(names, start=1):
-        variant_args = pretrain_args(args, name, table)
-        summary_path = variant_args.run.out_dir / "summary.json"
-        if summary_path.is_file():
-            print(f"[{number}/{len(names)}] {name}: finished before, skipped", file=sys.stderr)
-            summary = json.loads(summary_path.read_text())
-        else:
-            print(f"[{number}/{len(names)}] {name}: {json.dumps(table[name])}", file=sys.stderr)
-            interrupted = (variant_args.run.out_dir / "checkpoints").is_dir()
-            summary = pretrain.run(
-                dataclasses.replace(variant_args, run=dataclasses.replace(variant_args.run, resume=interrupted))
-            )
-        variants[name] = _variant_record(variant_args, summary, table[name])
+    seeds = seeds_of(args)
+    runs: dict[str, dict[int, dict]] = {name: {} for name in names}
+    for number, (seed, name) in enumerate(((s, n) for s in seeds for n in names), start=1):  # a whole grid per seed
+        variant = pretrain_args(args, name, table, seed)
+        summary = _train_or_read(variant, f"[{number}/{len(runs) * len(seeds)}] {name} seed {seed}", table[name])
+        runs[name][seed] = run_record(variant, summary, _run_extras(variant, summary))
+    rows = {
+        name: variant_row(row["overrides"], runs_of(row, args.seed), row.get("compute"))
+        for name, row in previous.items()
+    }
+    for name in names:
+        compute = compute_of(configs[name], configs["baseline"], args.seq_len, origin[name])
+        rows[name] = variant_row(table[name], runs[name], compute)
     results = {
         "settings": settings(args),
         "base_overrides": BASE_OVERRIDES,
         "imports": list(args.import_modules),
-        "variants": {**previous, **variants},
+        "seeds": seeds,
+        "match": args.match,
+        "level": LEVEL,
+        "alpha": ALPHA,
+        "power": POWER,
+        "noise_floor": compare_rows(rows),
+        "variants": rows,
     }
     write_json_atomic(results_path, results)
     (args.out_dir / ".results.md.tmp").write_text(results_table(results))
