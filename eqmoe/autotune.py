@@ -181,6 +181,10 @@ def _cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
             seconds[name] = _time(*workload.program(name), best=min(seconds.values(), default=None))
         except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
             skipped[name] = str(error).splitlines()[0][:120]
+        except jax.errors.JaxRuntimeError as error:  # e.g. XLA:CPU's dense emulation of ragged_dot at 256 experts
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            skipped[name] = "out of memory"
     if not seconds:
         raise ValueError(f"auto {workload.field}: no registered backend can run {workload.description}: {skipped}")
     choice = min(seconds, key=seconds.__getitem__)
