@@ -143,3 +143,18 @@ def test_a_run_records_its_choice_and_a_resume_takes_it_again(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "auto moe.dispatch -> 'dense' (recorded by the run)" in err
     assert "resumed from step 1" in err
+
+
+def test_a_candidate_that_runs_out_of_memory_is_skipped_and_named(only_slow_and_fast, tmp_path, monkeypatch):
+    def exhausted(*arguments):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 34468940112 bytes.")
+
+    real = autotune._DispatchWorkload.program
+    monkeypatch.setattr(
+        autotune._DispatchWorkload,
+        "program",
+        lambda self, name: (exhausted, ()) if name == "deliberately_slow" else real(self, name),
+    )
+    resolved = autotune.resolve(_config(), rows=1, seq=32, cache=tmp_path / "a.json", report=lambda line: None)
+    assert resolved.choices == {"moe.dispatch": "fast"}
+    assert resolved.measurements[0].skipped == {"deliberately_slow": "out of memory"}
