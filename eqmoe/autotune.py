@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from eqmoe.cache import cache_root
 from eqmoe.config import ModelConfig
-from eqmoe.nn import dispatch
 from eqmoe.nn._init import Init
 from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
@@ -46,8 +45,8 @@ DISPATCH, ATTENTION = "moe.dispatch", "attention.backend"
 
 @dataclass(frozen=True)
 class Measurement:
-    """How one ``auto`` field was resolved: ``how`` is ``"measured"``, ``"cached"``, ``"recorded"`` (a resumed
-    run's choice) or ``"rule"``; ``seconds`` the median seconds per call of each timed backend; ``skipped`` why
+    """How one ``auto`` field was resolved: ``how`` is ``"measured"``, ``"cached"`` or ``"recorded by the run"`` (a
+    resumed run's choice); ``seconds`` the median seconds per call of each timed backend; ``skipped`` why
     the others were not timed."""
 
     field: str
@@ -107,14 +106,12 @@ def resolve(
     if config.moe is not None and config.moe.dispatch == "auto":
         if DISPATCH in recorded:
             measurements.append(Measurement(DISPATCH, recorded[DISPATCH], "recorded by the run"))
-        elif use_rule:
-            measurements.append(Measurement(DISPATCH, dispatch.backend_name(config.moe), "rule"))
-        else:
+        elif not use_rule:  # the rule applies where the layer runs, as it always has
             measurements.append(_cached_or_timed(_DispatchWorkload(config, rows * seq, training), cache))
-    if _has_softmax_attention(config) and config.attention.backend == "auto" and not use_rule:
+    if _has_softmax_attention(config) and config.attention.backend == "auto":
         if ATTENTION in recorded:
             measurements.append(Measurement(ATTENTION, recorded[ATTENTION], "recorded by the run"))
-        else:
+        elif not use_rule:
             measurements.append(_cached_or_timed(_AttentionWorkload(config, rows, seq, training), cache))
     for measurement in measurements:
         report(measurement.line())

@@ -215,6 +215,9 @@ def test_fine_and_deepseek_rows_have_their_families_proportions():
         assert bench_model.main(bench_model.Args(shape=("deepseek",), **wrong)) == 2, wrong
 
 
+# -m slow (about 30 s): the DeepSeek-V3 model's numbers are tests/test_deepseek.py's, the bench's machinery and closing
+# table the Qwen row's test above, --dtype's parsing test_dtype_flag_reaches_both_benchmarks below
+@pytest.mark.slow
 def test_tiny_deepseek_row_in_bfloat16_against_transformers(tmp_path, capsys):
     """DeepSeek-V3's row end to end (a dense layer, then 16 experts in 8 groups with a shared one): the weights
     checked in float32, both passes timed in bfloat16, and the last table's line."""

@@ -254,7 +254,8 @@ def _train(
             recorded=_recorded_backends(checkpointer) if options.resume else None,
             devices=1 if parallelism is None else parallelism.mesh.size,
         )
-        model = model.with_config(resolved.config)
+        if resolved.config != config:
+            model = model.with_config(resolved.config)
         metadata = metadata.replace(backends=resolved.choices or None)
         params = eqx.filter(model, eqx.is_array)
         optimizer, schedule = make_optimizer(optimizer_config, params, embed_dim=config.embed_dim)
