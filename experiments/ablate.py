@@ -379,7 +379,8 @@ def check_variants(args: Args, table: dict[str, dict[str, object]], names: list[
             if not (folder / "summary.json").is_file():
                 continue
             recorded = json.loads((folder / "summary.json").read_text()).get("overrides")
-            if recorded != _as_recorded({**BASE_OVERRIDES, **table[name]}):
+            given = dict(parse_override(text) for text in args.override)  # --override, before the variant's own
+            if recorded != {**given, **_as_recorded({**BASE_OVERRIDES, **table[name]})}:
                 raise UsageError(
                     f"variant {name!r} finished in {folder} with other overrides {json.dumps(recorded)} "
                     f"(now {json.dumps(table[name])} on the base); rename it, or use another --out-dir"

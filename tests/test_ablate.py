@@ -481,3 +481,16 @@ def test_the_input_flags_parse_as_documented():
     words = shlex.split(ablate.command(variant))
     assert words.count("--import") == 2 and "--init-from-checkpoint" in words
     assert tyro.cli(pretrain.Args, args=words[3:], config=(tyro.conf.OmitArgPrefixes,)) == variant
+
+
+def test_runs_finished_under_a_base_override_are_taken_again(tmp_path):
+    """A grid run with ``--override`` (every variant's base) is read back when seeds are added, not refused."""
+    args = ablate.Args(variants=("baseline",), out_dir=tmp_path, seeds=1, override=("moe.expert_dim=128",))
+    summary = {"overrides": {"moe.expert_dim": 128, **ablate.BASE_OVERRIDES}}
+    folder = ablate.run_folder(args, "baseline", 0)
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    ablate.check_variants(args, ablate.VARIANTS, ["baseline"])  # the same setting: no error
+    (folder / "summary.json").write_text(json.dumps({"overrides": ablate.BASE_OVERRIDES}))
+    with pytest.raises(ablate.UsageError, match="finished in .* with other overrides"):
+        ablate.check_variants(args, ablate.VARIANTS, ["baseline"])

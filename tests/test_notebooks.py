@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_the_six_notebooks_exist():
+def test_the_notebooks_exist():
     assert [p.stem for p in NOTEBOOKS] == [
         "01_quickstart",
         "02_routing_explorer",
@@ -22,6 +22,7 @@ def test_the_six_notebooks_exist():
         "04_envy_two_readings",
         "05_ablation_results",
         "06_fine_tune_a_checkpoint",
+        "06_published_findings",
     ]
 
 
