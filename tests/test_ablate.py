@@ -61,6 +61,10 @@ def _ablate(out_dir: Path, *extra: str) -> subprocess.Popen:
     )
 
 
+# -m slow (about 30 s, two subprocess runs): a killed run resuming exactly is tests/test_reliability.py's (an ablation
+# run is a pretrain run); finished runs read back untouched, test_two_variants_over_two_seeds_... and the registered
+# router's test below
+@pytest.mark.slow
 def test_killed_variant_resumes_and_finished_variants_are_skipped(tmp_path):
     reference = ablate.run(ablate.Args(out_dir=tmp_path / "straight", variants=("baseline",), **TINY))
 
