@@ -3,7 +3,7 @@
     python -m experiments.ablate                                  # the default grid, 3 seeds, ~40 min on 2 CPU cores
     python -m experiments.ablate --variants baseline switch-top1  # a subset
     python -m experiments.ablate --seeds 5 --steps 1000 --out-dir runs/ablate-long
-    python -m experiments.ablate --match active-flops --variants-file granularity.json
+    python -m experiments.ablate --match active-flops --variants-file experiments/granularity.json --dry-run
     python -m experiments.ablate --data notes.txt --tokenizer DIR --import my_router --variants-file v.json
 
 A variant is a named set of config overrides on the base (``--preset``, or the model of ``--init-from-hf`` /
@@ -143,6 +143,9 @@ class Args(StartOptions, ShapeOptions, TokenizerOption, MeshOptions, TrackerOpti
     """Built-in corpus: training characters of each domain."""
     eval_chars_per_domain: int = 10_000
     """Built-in corpus: held-out characters of each domain."""
+    dry_run: bool = False
+    """Check every variant and print the runs the grid holds (finished, to resume, to train) and, with --match
+    active-flops, the widths and FLOP gaps; train and write nothing."""
 
 
 # Inputs of a run that may be left unset; unset, they are left out of the settings, so an output folder written
@@ -164,7 +167,7 @@ def settings(args: Args) -> dict:
     one: more seeds are more runs of the same setting."""
     fields = dataclasses.asdict(args)
     views = {f.name for f in dataclasses.fields(MeshOptions) + dataclasses.fields(TrackerOptions)}
-    views |= {"variants", "out_dir", "variants_file", "import_modules", "seeds"}
+    views |= {"variants", "out_dir", "variants_file", "import_modules", "seeds", "dry_run"}
     kept = {
         name: value
         for name, value in fields.items()
@@ -559,6 +562,18 @@ def _report_widths(names: list[str], configs: dict[str, ModelConfig], origin: di
         print(f"  {name}: {width} ({origin[name]}), {gap:+.2%}{note}", file=sys.stderr)
 
 
+def _print_plan(args: Args, table: dict[str, dict[str, object]], names: list[str]) -> None:
+    seeds = seeds_of(args)
+    print(f"--dry-run: {len(names)} variants x {len(seeds)} seeds into {args.out_dir}", file=sys.stderr)
+    for name in names:
+        states = []
+        for seed in seeds:
+            folder = run_folder(args, name, seed)
+            finished, interrupted = (folder / "summary.json").is_file(), (folder / "checkpoints").is_dir()
+            states.append(f"{seed} " + ("finished" if finished else "resumes" if interrupted else "to train"))
+        print(f"  {name} {json.dumps(table[name])}: seeds {', '.join(states)}", file=sys.stderr)
+
+
 def run(args: Args) -> dict:
     import_modules(args.import_modules)  # before any config is checked: what it registers is nameable
     if args.seeds < 1:
@@ -574,6 +589,9 @@ def run(args: Args) -> dict:
         raise UsageError(
             f"{args.out_dir} holds an ablation with other settings ({settings_path}); use another --out-dir"
         )
+    if args.dry_run:
+        _print_plan(args, table, names)
+        return {}
     write_json_atomic(settings_path, settings(args))
     results_path = args.out_dir / "results.json"
     previous = json.loads(results_path.read_text())["variants"] if results_path.is_file() else {}
@@ -613,7 +631,8 @@ def main(args: Args) -> int:
     results = guarded("ablate", run, args)
     if results is None:
         return 2
-    print(results_table(results))
+    if results:  # empty after --dry-run
+        print(results_table(results))
     return 0
 
 

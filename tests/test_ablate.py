@@ -356,6 +356,20 @@ def test_match_active_flops_picks_widths_within_two_percent_of_the_baseline(tmp_
     assert compute["active_parameters"] < compute["total_parameters"]
 
 
+def test_dry_run_prints_the_shipped_granularity_sweep_within_two_percent_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--match", "active-flops", "--variants-file", str(ROOT / "experiments/granularity.json"), "--dry-run"]
+    args = tyro.cli(ablate.Args, args=[*argv, "--override", "moe.expert_dim=512", "--out-dir", str(out)])
+    assert ablate.main(args) == 0
+    printed = capsys.readouterr().err
+    widths = dict(re.findall(r"  (granularity-\dx): (\d+) \(match\), [+-]", printed))
+    gaps = [float(gap) for gap in re.findall(r"\(match\), ([+-][\d.]+)%", printed)]
+    assert widths == {"granularity-2x": "256", "granularity-4x": "128", "granularity-8x": "64"}
+    assert len(gaps) == 3 and all(abs(gap) <= 2 for gap in gaps) and "beyond" not in printed
+    assert "granularity-8x" in printed and "seeds 0 to train, 1 to train, 2 to train" in printed
+    assert not out.exists()
+
+
 # --- your data, your tokenizer, your router, your starting model --------------------------------------------
 
 NOTES = "".join(
