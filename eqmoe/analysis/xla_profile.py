@@ -1,0 +1,330 @@
+"""Where a compiled program's time goes, from XLA's own trace of it (``jax.profiler``) and its optimized HLO.
+
+Each operation the runtime executes is traced with its HLO name; its own time is its traced time less that of the
+operations it runs inside it (a loop runs its body's). The HLO says what each operation is:
+
+- its **kind**: ``matmul`` (a dot, alone or in a fusion), ``gather/scatter``, ``sort``, ``data movement`` (copies,
+  slices, concatenation, transposes, broadcasts), ``elementwise`` (every other fusion: activations, softmax,
+  reductions), ``loop control`` (the time a loop or branch takes beside its body) or ``other``;
+- its **FLOPs**, for matmuls: ``2 * prod(result) * prod(contracted dims)`` of each dot it holds;
+- its **pass**: ``backward`` where JAX's name stack holds ``transpose(`` (the gradient), ``optimizer`` where the op
+  comes from optax, else ``forward``;
+- **where** it comes from: the innermost frame of the Python stack JAX recorded for it that lies in eqmoe or optax
+  (``nn/flash.py:_forward``), else the innermost recorded frame.
+
+On a CPU, operations may overlap on the machine's threads, so the own times can add up to more than the wall time.
+"""
+
+import collections
+import gzip
+import json
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) .*\{$")
+_SHAPE = re.compile(r"^[a-z0-9]+\[(?P<dims>[\d,]*)\]")
+_MOVEMENT = {
+    "copy", "transpose", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "broadcast", "bitcast",
+    "reshape", "pad", "reverse", "iota", "parameter", "constant", "tuple", "get-tuple-element", "bitcast-convert",
+    "copy-start", "copy-done",
+}  # fmt: skip
+_CONTROL = {"while", "conditional", "call"}
+KINDS = ("matmul", "elementwise", "gather/scatter", "sort", "data movement", "loop control", "other")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One top-level operation of the optimized HLO (what the runtime traces)."""
+
+    name: str
+    kind: str
+    flops: float  # matmul FLOPs of one execution
+    pass_: str
+    where: str
+
+
+@dataclass
+class Line:
+    """The operations of one kind, pass or origin together: own seconds per call, executions per call, matmul FLOPs
+    per call."""
+
+    seconds: float = 0.0
+    count: float = 0.0
+    flops: float = 0.0
+
+
+@dataclass
+class Profile:
+    """A traced program: own seconds per call of every operation, summed by kind, pass and origin."""
+
+    calls: int
+    wall_seconds: float  # the median wall time of one call, measured beside the trace
+    ops: dict[str, Line] = field(default_factory=dict)
+    by_kind: dict[str, Line] = field(default_factory=dict)
+    by_pass: dict[str, Line] = field(default_factory=dict)
+    by_where: dict[str, Line] = field(default_factory=dict)  # by "origin [kind]"
+    info: dict[str, Op] = field(default_factory=dict)
+
+    @property
+    def traced_seconds(self) -> float:
+        return sum(line.seconds for line in self.by_kind.values())
+
+    def matmul_rate(self) -> float:
+        """The matmuls' own FLOP/s: their FLOPs over their own time."""
+        line = self.by_kind.get("matmul", Line())
+        return line.flops / line.seconds if line.seconds else 0.0
+
+
+def _shape_of(text: str) -> tuple[int, ...] | None:
+    match = _SHAPE.match(text)
+    if match is None:
+        return None
+    return tuple(int(d) for d in match.group("dims").split(",") if d)
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``"f32[2,3]{1,0} dot(%a, %b), ..."`` -> ``("f32[2,3]{1,0}", "dot(%a, %b), ...")``; tuple types nest."""
+    if rest.startswith("("):
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    kind, _, tail = rest.partition(" ")
+    return kind, tail
+
+
+@dataclass
+class _Instruction:
+    shape: tuple[int, ...] | None
+    opcode: str
+    operands: list[str]
+    attributes: str
+
+
+def _parse(text: str) -> tuple[dict[str, dict[str, _Instruction]], str, dict[str, str]]:
+    """``(computations, entry name, sections)``: each computation's instructions by name, and the text of the
+    ``FileNames`` / ``FunctionNames`` / ``FileLocations`` / ``StackFrames`` tables."""
+    computations: dict[str, dict[str, _Instruction]] = {}
+    sections: dict[str, list[str]] = {}
+    entry, current, section = "", None, None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = sections.setdefault(line, [])
+            continue
+        if section is not None and line and not line.startswith("%") and not line.startswith("ENTRY"):
+            section.append(line)
+            continue
+        section = None
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group("name"), {})
+            entry = header.group("name") if line.startswith("ENTRY") else entry
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None or current is None:
+            continue
+        type_text, body = _split_type(instruction.group("rest"))
+        opcode, _, tail = body.partition("(")
+        operands_text, _, attributes = tail.partition(")")
+        operands = re.findall(r"%([\w.\-]+)", operands_text)
+        current[instruction.group("name")] = _Instruction(_shape_of(type_text), opcode, operands, attributes)
+    return computations, entry, {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def _called(attributes: str) -> list[str]:
+    """The computations an instruction calls: a fusion's, a loop's body and condition, a branch's."""
+    single = re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)", attributes)
+    branches = re.findall(r"branch_computations=\{([^}]*)\}", attributes)
+    return single + [name.strip().lstrip("%") for group in branches for name in group.split(",")]
+
+
+def _dot_flops(instruction: _Instruction, scope: dict[str, _Instruction]) -> float:
+    lhs = scope.get(instruction.operands[0]) if instruction.operands else None
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
+    if instruction.shape is None or lhs is None or lhs.shape is None or contracting is None:
+        return 0.0
+    contracted = 1
+    for dim in (int(d) for d in contracting.group(1).split(",") if d):
+        contracted *= lhs.shape[dim]
+    result = 1
+    for size in instruction.shape:
+        result *= size
+    return 2.0 * result * contracted
+
+
+def _fused(computations, name: str) -> tuple[set[str], float]:
+    """The opcodes and the matmul FLOPs inside computation ``name`` and the fusions it calls."""
+    opcodes: set[str] = set()
+    flops = 0.0
+    scope = computations.get(name, {})
+    for instruction in scope.values():
+        opcodes.add(instruction.opcode)
+        if instruction.opcode == "dot":
+            flops += _dot_flops(instruction, scope)
+        if instruction.opcode == "fusion":
+            for inner in _called(instruction.attributes):
+                inner_opcodes, inner_flops = _fused(computations, inner)
+                opcodes |= inner_opcodes
+                flops += inner_flops
+    return opcodes, flops
+
+
+def _kind(instruction: _Instruction, inside: set[str]) -> str:
+    """:data:`KINDS`: what an instruction (with the opcodes of the fusions it calls, ``inside``) mostly does."""
+    if instruction.opcode in _CONTROL:
+        return "loop control"
+    opcodes = (inside | {instruction.opcode}) - {"fusion"}
+    if opcodes & {"dot", "convolution"} or "matmul" in instruction.attributes:
+        return "matmul"
+    if opcodes & {"gather", "scatter"}:
+        return "gather/scatter"
+    if "sort" in opcodes:
+        return "sort"
+    if opcodes <= _MOVEMENT:
+        return "data movement"
+    return "other" if instruction.opcode == "custom-call" else "elementwise"
+
+
+class _Frames:
+    """The Python stacks of the HLO's ``stack_frame_id`` (innermost frame first)."""
+
+    def __init__(self, sections: dict[str, str]):
+        def table(name: str) -> dict[int, str]:
+            return {
+                int(key): value
+                for key, _, value in (line.partition(" ") for line in sections.get(name, "").splitlines())
+            }
+
+        self.files = {k: v.strip('"') for k, v in table("FileNames").items()}
+        self.functions = {k: v.strip('"') for k, v in table("FunctionNames").items()}
+        self.locations = table("FileLocations")
+        self.frames = table("StackFrames")
+
+    def stack(self, frame_id: int) -> list[str]:
+        stack, seen = [], set()
+        while frame_id in self.frames and frame_id not in seen:
+            seen.add(frame_id)
+            frame = dict(re.findall(r"(\w+)=(\d+)", self.frames[frame_id]))
+            location = dict(re.findall(r"(\w+)=(\d+)", self.locations.get(int(frame.get("file_location_id", 0)), "")))
+            file = self.files.get(int(location.get("file_name_id", 0)), "?")
+            function = self.functions.get(int(location.get("function_name_id", 0)), "?")
+            stack.append(f"{_short(file)}:{function}")
+            parent = int(frame.get("parent_frame_id", 0))
+            if parent == frame_id:
+                break
+            frame_id = parent
+        return stack
+
+
+def _short(file: str) -> str:
+    for root in ("/eqmoe/", "/optax/", "/equinox/"):
+        if root in file:
+            return root.strip("/") + "/" + file.split(root, 1)[1]
+    return Path(file).name
+
+
+def _where(stack: list[str]) -> str:
+    for frame in stack:
+        if frame.startswith(("eqmoe/", "optax/")):
+            return frame.removeprefix("eqmoe/")
+    return stack[0] if stack else "?"
+
+
+def _metadata(attributes: str) -> tuple[str, int | None]:
+    name = re.search(r'op_name="([^"]*)"', attributes)
+    frame = re.search(r"stack_frame_id=(\d+)", attributes)
+    return (name.group(1) if name else ""), (int(frame.group(1)) if frame else None)
+
+
+def operations(hlo_text: str) -> dict[str, Op]:
+    """Every instruction of the optimized HLO's non-fused computations, by name, with its kind, matmul FLOPs, pass
+    and origin."""
+    computations, _, sections = _parse(hlo_text)
+    frames = _Frames(sections)
+    fused = {name for scope in computations.values() for i in scope.values() if i.opcode == "fusion"
+             for name in _called(i.attributes)}  # fmt: skip
+    ops = {}
+    for computation, scope in computations.items():
+        if computation in fused:
+            continue
+        for name, instruction in scope.items():
+            inside, flops = set(), 0.0
+            if instruction.opcode == "fusion":
+                for called in _called(instruction.attributes):
+                    more, more_flops = _fused(computations, called)
+                    inside |= more
+                    flops += more_flops
+            elif instruction.opcode == "dot":
+                flops = _dot_flops(instruction, scope)
+            op_name, frame_id = _metadata(instruction.attributes)
+            stack = frames.stack(frame_id) if frame_id is not None else []
+            where = _where(stack)
+            pass_ = "optimizer" if where.startswith("optax/") else "backward" if "transpose(" in op_name else "forward"
+            ops[name] = Op(name, _kind(instruction, inside), flops, pass_, where)
+    return ops
+
+
+def own_times(events: list[dict], names: set[str]) -> dict[str, tuple[int, float]]:
+    """``name -> (executions, own seconds)`` of the traced operations named in ``names``: each event's duration less
+    that of the events nested in it on the same thread."""
+    by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for event in events:
+        op = (event.get("args") or {}).get("hlo_op")
+        if event.get("ph") == "X" and op in names:
+            by_thread[(event.get("pid"), event.get("tid"))].append(event)
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, op name, own microseconds]
+        for event in thread_events:
+            while stack and stack[-1][0] <= event["ts"]:
+                _close(stack.pop(), totals)
+            if stack:
+                stack[-1][2] -= event["dur"]
+            stack.append([event["ts"] + event["dur"], event["args"]["hlo_op"], event["dur"]])
+        while stack:
+            _close(stack.pop(), totals)
+    return {name: (count, seconds) for name, (count, seconds) in totals.items()}
+
+
+def _close(entry: list, totals: dict) -> None:
+    totals[entry[1]][0] += 1
+    totals[entry[1]][1] += max(entry[2], 0.0) / 1e6
+
+
+def trace_events(call: Callable[[], object], calls: int) -> list[dict]:
+    """The trace events of ``calls`` calls of ``call`` (each waited for)."""
+    with tempfile.TemporaryDirectory(prefix="eqmoe-profile-") as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(calls):
+                jax.block_until_ready(call())
+        files = sorted(Path(folder).rglob("*.trace.json.gz"))
+        if not files:
+            raise RuntimeError(f"jax.profiler wrote no trace under {folder}")
+        with gzip.open(files[-1]) as handle:
+            return json.load(handle)["traceEvents"]
+
+
+def profile(call: Callable[[], object], hlo_text: str, calls: int, wall_seconds: float) -> Profile:
+    """``call`` (a compiled program whose optimized HLO is ``hlo_text``) traced over ``calls`` calls, per call."""
+    info = operations(hlo_text)
+    times = own_times(trace_events(call, calls), set(info))
+    result = Profile(calls=calls, wall_seconds=wall_seconds, info=info)
+    for name, (count, seconds) in times.items():
+        op = info[name]
+        line = Line(seconds / calls, count / calls, op.flops * count / calls)
+        result.ops[name] = line
+        where = f"{op.where} [{op.kind}]"
+        for table, key in ((result.by_kind, op.kind), (result.by_pass, op.pass_), (result.by_where, where)):
+            total = table.setdefault(key, Line())
+            total.seconds += line.seconds
+            total.count += line.count
+            total.flops += line.flops
+    return result

@@ -1,0 +1,66 @@
+"""The step profiler: operations' own times from nested trace events, matmul FLOPs and passes from the optimized HLO."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eqmoe.analysis import xla_profile
+
+
+def _event(name, ts, dur, tid=1):
+    return {"ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": tid, "name": name, "args": {"hlo_op": name}}
+
+
+def test_own_time_is_a_traced_time_less_what_runs_nested_in_it_on_its_thread():
+    events = [
+        _event("while.1", 0, 100),
+        _event("dot.1", 10, 30),
+        _event("add.1", 50, 20),
+        _event("dot.1", 110, 30),  # after the loop: counted again
+        _event("copy.1", 20, 500, tid=2),  # another thread: nothing nests in it
+        {"ph": "X", "ts": 0, "dur": 1000, "pid": 1, "tid": 1, "name": "ThunkExecutor::Execute"},  # not an op
+    ]
+    times = xla_profile.own_times(events, {"while.1", "dot.1", "add.1", "copy.1"})
+    assert times == {
+        "while.1": (1, pytest.approx(50e-6)),
+        "dot.1": (2, pytest.approx(60e-6)),
+        "add.1": (1, pytest.approx(20e-6)),
+        "copy.1": (1, pytest.approx(500e-6)),
+    }
+
+
+def test_a_traced_gradient_counts_each_matmul_once_per_run_with_its_flops_and_pass():
+    n, layers = 128, 3
+
+    def loss(a, w):
+        def layer(carry, weight):
+            return jnp.tanh(carry @ weight), None
+
+        return jax.lax.scan(layer, a, w)[0].sum()
+
+    a, w = jnp.ones((n, n)) / n, jnp.ones((layers, n, n)) / n
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(a, w).compile()
+    jax.block_until_ready(compiled(a, w))
+    result = xla_profile.profile(lambda: compiled(a, w), compiled.as_text(), calls=2, wall_seconds=1.0)
+
+    one_matmul = 2 * n**3
+    # forward: one product per layer; backward: two (the input's gradient and the weight's)
+    assert result.by_kind["matmul"].flops == pytest.approx(3 * layers * one_matmul)
+    assert result.by_pass["forward"].flops == pytest.approx(layers * one_matmul)
+    assert result.by_pass["backward"].flops == pytest.approx(2 * layers * one_matmul)
+    assert result.by_kind["matmul"].count == pytest.approx(3 * layers)
+    assert result.traced_seconds > 0 and result.matmul_rate() > 0
+    assert set(result.by_kind) <= set(xla_profile.KINDS)
+    assert any(key.startswith("test_xla_profile.py:") and "[matmul]" in key for key in result.by_where)
+
+
+def test_operations_read_dots_inside_fusions_and_loops_from_hlo_text():
+    def f(x, y):
+        return jax.lax.fori_loop(0, 4, lambda i, acc: acc + jnp.exp(x @ y), jnp.zeros((32, 48)))
+
+    text = jax.jit(f).lower(jnp.ones((32, 64)), jnp.ones((64, 48))).compile().as_text()
+    ops = xla_profile.operations(text)
+    matmuls = [op for op in ops.values() if op.kind == "matmul"]
+    assert sum(op.flops for op in matmuls) == 2 * 32 * 48 * 64  # one product in the body (run 4 times)
+    assert any(op.kind == "loop control" for op in ops.values())
+    assert all(op.pass_ == "forward" for op in ops.values())
