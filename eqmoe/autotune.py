@@ -18,6 +18,7 @@ sharded, which one device's timing does not describe.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -264,18 +265,16 @@ class _DispatchWorkload(_Workload):
         return tuple(DISPATCH_BACKENDS.names())
 
     def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
-        backend = DISPATCH_BACKENDS.get(name)
-        if backend.check is not None:
-            try:
-                backend.check(self.config.moe)
-            except ValueError:
-                return "needs a capacity factor" if name == "capacity" else "refuses this config"
+        if not self._runs(name):
+            return "needs a capacity factor" if name == "capacity" else "refuses this config"
         least = min(self._bytes(other) for other in candidates if self._runs(other))
         if self._bytes(name) > MEMORY_FACTOR * least:
             return f"plans {self._bytes(name) / least:.0f}x the activations of the leanest"
         return None
 
+    @functools.cache  # noqa: B019 (a workload lives for one resolve call)
     def _runs(self, name: str) -> bool:
+        """Whether the backend's own config check accepts this layer."""
         check = DISPATCH_BACKENDS.get(name).check
         try:
             check is None or check(self.config.moe)
