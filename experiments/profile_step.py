@@ -7,7 +7,7 @@ Each row is ``bench_model``'s (the same random model read back from a transforme
 ``auto`` backends chosen by measurement). The program is compiled once, its median wall time taken over
 ``--repeats`` calls, then ``--repeats`` more calls are traced with ``jax.profiler``
 (:mod:`eqmoe.analysis.xla_profile`): every operation's own time by kind (matmul, elementwise, gather/scatter, sort,
-data movement, loop control), by pass (forward, backward, optimizer) and by the source line that made it.
+data movement, loop control), by pass (forward, backward, update) and by the source line that made it.
 
 It answers, per row: what fraction of this machine's matmul peak the step reaches (the model's FLOPs, as
 ``bench_model`` counts them, over the wall time); how fast its matmuls themselves run (their HLO FLOPs over their own

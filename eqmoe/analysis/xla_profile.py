@@ -7,8 +7,9 @@ operations it runs inside it (a loop runs its body's). The HLO says what each op
   slices, concatenation, transposes, broadcasts), ``elementwise`` (every other fusion: activations, softmax,
   reductions), ``loop control`` (the time a loop or branch takes beside its body) or ``other``;
 - its **FLOPs**, for matmuls: ``2 * prod(result) * prod(contracted dims)`` of each dot it holds;
-- its **pass**: ``backward`` where JAX's name stack holds ``transpose(`` (the gradient), ``optimizer`` where the op
-  comes from optax, else ``forward``;
+- its **pass**: in a program that takes a gradient, ``backward`` where JAX's name stack holds ``transpose(``,
+  ``forward`` where it holds ``jvp(`` (the differentiated function), else ``update`` (what uses the gradient: the
+  optimizer, the parameter update, the step's metrics); every op of a program without a gradient is ``forward``;
 - **where** it comes from: the innermost frame of the Python stack JAX recorded for it that lies in eqmoe or optax
   (``nn/flash.py:_forward``), else the innermost recorded frame.
 
@@ -243,6 +244,14 @@ def _metadata(attributes: str) -> tuple[str, int | None]:
     return (name.group(1) if name else ""), (int(frame.group(1)) if frame else None)
 
 
+def _pass(op_name: str, differentiated: bool) -> str:
+    if not differentiated:
+        return "forward"
+    if "transpose(" in op_name:
+        return "backward"
+    return "forward" if "jvp(" in op_name else "update"
+
+
 def operations(hlo_text: str) -> dict[str, Op]:
     """Every instruction of the optimized HLO's non-fused computations, by name, with its kind, matmul FLOPs, pass
     and origin."""
@@ -250,6 +259,7 @@ def operations(hlo_text: str) -> dict[str, Op]:
     frames = _Frames(sections)
     fused = {name for scope in computations.values() for i in scope.values() if i.opcode == "fusion"
              for name in _called(i.attributes)}  # fmt: skip
+    differentiated = "jvp(" in hlo_text  # a gradient's program: its forward ops are traced under jvp
     ops = {}
     for computation, scope in computations.items():
         if computation in fused:
@@ -266,8 +276,7 @@ def operations(hlo_text: str) -> dict[str, Op]:
             op_name, frame_id = _metadata(instruction.attributes)
             stack = frames.stack(frame_id) if frame_id is not None else []
             where = _where(stack)
-            pass_ = "optimizer" if where.startswith("optax/") else "backward" if "transpose(" in op_name else "forward"
-            ops[name] = Op(name, _kind(instruction, inside), flops, pass_, where)
+            ops[name] = Op(name, _kind(instruction, inside), flops, _pass(op_name, differentiated), where)
     return ops
 
 
