@@ -7,7 +7,8 @@ Each row is ``bench_model``'s (the same random model read back from a transforme
 ``auto`` backends chosen by measurement). The program is compiled once, its median wall time taken over
 ``--repeats`` calls, then ``--repeats`` more calls are traced with ``jax.profiler``
 (:mod:`eqmoe.analysis.xla_profile`): every operation's own time by kind (matmul, elementwise, gather/scatter, sort,
-data movement, loop control), by pass (forward, backward, update) and by the source line that made it.
+data movement, loop control), by pass (forward, backward, update, unattributed) and by the source line that
+made it.
 
 It answers, per row: what fraction of this machine's matmul peak the step reaches (the model's FLOPs, as
 ``bench_model`` counts them, over the wall time); how fast its matmuls themselves run (their HLO FLOPs over their own
@@ -18,6 +19,7 @@ ceiling is bound by the rest, which the table names.
 """
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -162,6 +164,8 @@ def run(args: Args) -> dict:
     print(f"matmul peak: {peak:.1f} GFLOP/s (float32 {args.peak_size}^2 jnp.dot, median of 5); kinds: {KINDS}")
     entries = []
     for name in args.shape:
+        gc.collect()  # the previous row's model and state, before this row allocates its own
+        jax.clear_caches()
         shape = SHAPES[name]
         _, model = build_models(shape, args.seed)
         resolved = autotune.resolve(model.config, shape.batch, shape.seq)

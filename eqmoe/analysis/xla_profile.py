@@ -9,7 +9,8 @@ operations it runs inside it (a loop runs its body's). The HLO says what each op
 - its **FLOPs**, for matmuls: ``2 * prod(result) * prod(contracted dims)`` of each dot it holds;
 - its **pass**: in a program that takes a gradient, ``backward`` where JAX's name stack holds ``transpose(``,
   ``forward`` where it holds ``jvp(`` (the differentiated function), else ``update`` (what uses the gradient: the
-  optimizer, the parameter update, the step's metrics); every op of a program without a gradient is ``forward``;
+  optimizer, the parameter update, the step's metrics) or ``unattributed`` (no name: an op XLA made itself, such as
+  a loop buffer's zeros or a layout copy); every op of a program without a gradient is ``forward``;
 - **where** it comes from: the innermost frame of the Python stack JAX recorded for it that lies in eqmoe or optax
   (``nn/flash.py:_forward``), else the innermost recorded frame.
 
@@ -247,6 +248,8 @@ def _metadata(attributes: str) -> tuple[str, int | None]:
 def _pass(op_name: str, differentiated: bool) -> str:
     if not differentiated:
         return "forward"
+    if not op_name:  # made by XLA itself (a buffer's zeros, a layout copy): no pass of the program's
+        return "unattributed"
     if "transpose(" in op_name:
         return "backward"
     return "forward" if "jvp(" in op_name else "update"
