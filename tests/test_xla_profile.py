@@ -64,3 +64,12 @@ def test_operations_read_dots_inside_fusions_and_loops_from_hlo_text():
     assert sum(op.flops for op in matmuls) == 2 * 32 * 48 * 64  # one product in the body (run 4 times)
     assert any(op.kind == "loop control" for op in ops.values())
     assert all(op.pass_ == "forward" for op in ops.values())
+
+
+def test_a_loop_slicing_its_weights_counts_the_slices_as_data_movement():
+    def f(x, w):
+        return jax.lax.scan(lambda c, layer: (jnp.tanh(c @ layer), None), x, w)[0]
+
+    text = jax.jit(f).lower(jnp.ones((16, 64)), jnp.ones((3, 64, 64))).compile().as_text()
+    kinds = {op.kind for op in xla_profile.operations(text).values() if "dynamic-slice" in op.name}
+    assert kinds == {"data movement"}, kinds

@@ -162,12 +162,14 @@ def _dot_flops(instruction: _Instruction, scope: dict[str, _Instruction]) -> flo
 
 
 def _fused(computations, name: str) -> tuple[set[str], float]:
-    """The opcodes and the matmul FLOPs inside computation ``name`` and the fusions it calls."""
+    """The opcodes and the matmul FLOPs inside computation ``name`` and the fusions it calls. Scalar results are left
+    out of the opcodes: a slice's clamped start index is arithmetic, but the fusion moves data."""
     opcodes: set[str] = set()
     flops = 0.0
     scope = computations.get(name, {})
     for instruction in scope.values():
-        opcodes.add(instruction.opcode)
+        if instruction.shape != ():
+            opcodes.add(instruction.opcode)
         if instruction.opcode == "dot":
             flops += _dot_flops(instruction, scope)
         if instruction.opcode == "fusion":
