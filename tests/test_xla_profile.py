@@ -73,3 +73,28 @@ def test_a_loop_slicing_its_weights_counts_the_slices_as_data_movement():
     text = jax.jit(f).lower(jnp.ones((16, 64)), jnp.ones((3, 64, 64))).compile().as_text()
     kinds = {op.kind for op in xla_profile.operations(text).values() if "dynamic-slice" in op.name}
     assert kinds == {"data movement"}, kinds
+
+
+SLICE_WITH_INDEX_ARITHMETIC = """HloModule m
+
+%fused_slice (p0: f32[3,64,64], p1: s32[]) -> f32[1,64,64] {
+  %p0 = f32[3,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %negative = pred[] compare(%p1, %zero), direction=LT
+  %three = s32[] constant(3)
+  %wrapped = s32[] add(%p1, %three)
+  %index = s32[] select(%negative, %wrapped, %p1)
+  ROOT %slice = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %index, %zero, %zero), dynamic_slice_sizes={1,64,64}
+}
+
+ENTRY %main (a: f32[3,64,64], i: s32[]) -> f32[1,64,64] {
+  %a = f32[3,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %slice_fusion = f32[1,64,64]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_slice
+}
+"""
+
+
+def test_a_slice_whose_start_index_is_computed_is_still_data_movement():
+    assert xla_profile.operations(SLICE_WITH_INDEX_ARITHMETIC)["slice_fusion"].kind == "data movement"
