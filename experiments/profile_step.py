@@ -53,7 +53,9 @@ class Args:
     peak_size: int = 4096
     """The square float32 matmul (median of 5) whose rate is the peak."""
     seed: int = 0
+    """Seed of the weights and the token ids (as bench_model's)."""
     json_out: Path | None = None
+    """Also write the results to this JSON file."""
 
 
 def _compiled(model, batch, pass_name: str, seed: int):
