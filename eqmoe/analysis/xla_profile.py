@@ -185,7 +185,8 @@ def _kind(instruction: _Instruction, inside: set[str]) -> str:
     if instruction.opcode in _CONTROL:
         return "loop control"
     opcodes = (inside | {instruction.opcode}) - {"fusion"}
-    if opcodes & {"dot", "convolution"} or "matmul" in instruction.attributes:
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    if opcodes & {"dot", "convolution"} or (target and "matmul" in target.group(1)):
         return "matmul"
     if opcodes & {"gather", "scatter"}:
         return "gather/scatter"
