@@ -1,6 +1,6 @@
 """Router and norm ablations: every variant trained on the same seeds, data orders and token budget.
 
-    python -m experiments.ablate                                  # the default grid, 3 seeds, ~40 min on 2 CPU cores
+    python -m experiments.ablate                                  # the default grid, 3 seeds, ~1.5 h on 2 CPU cores
     python -m experiments.ablate --variants baseline switch-top1  # a subset
     python -m experiments.ablate --seeds 5 --steps 1000 --out-dir runs/ablate-long
     python -m experiments.ablate --match active-flops --variants-file experiments/granularity.json --dry-run
@@ -376,13 +376,13 @@ def check_variants(args: Args, table: dict[str, dict[str, object]], names: list[
     """:func:`variant_configs`, and every run that finished before must have finished with its variant's overrides
     of now (else its row would report another run)."""
     configs = variant_configs(args, table, names)
+    given = dict(parse_override(text) for text in args.override)  # --override, before the variant's own
     for name in names:
         for seed in seeds_of(args):
             folder = run_folder(args, name, seed)
             if not (folder / "summary.json").is_file():
                 continue
             recorded = json.loads((folder / "summary.json").read_text()).get("overrides")
-            given = dict(parse_override(text) for text in args.override)  # --override, before the variant's own
             if recorded != {**given, **_as_recorded({**BASE_OVERRIDES, **table[name]})}:
                 raise UsageError(
                     f"variant {name!r} finished in {folder} with other overrides {json.dumps(recorded)} "

@@ -110,12 +110,12 @@ class _Instruction:
     attributes: str
 
 
-def _parse(text: str) -> tuple[dict[str, dict[str, _Instruction]], str, dict[str, str]]:
-    """``(computations, entry name, sections)``: each computation's instructions by name, and the text of the
+def _parse(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[str, str]]:
+    """``(computations, sections)``: each computation's instructions by name, and the text of the
     ``FileNames`` / ``FunctionNames`` / ``FileLocations`` / ``StackFrames`` tables."""
     computations: dict[str, dict[str, _Instruction]] = {}
     sections: dict[str, list[str]] = {}
-    entry, current, section = "", None, None
+    current, section = None, None
     for line in text.splitlines():
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             section = sections.setdefault(line, [])
@@ -127,7 +127,6 @@ def _parse(text: str) -> tuple[dict[str, dict[str, _Instruction]], str, dict[str
         header = _COMPUTATION.match(line)
         if header:
             current = computations.setdefault(header.group("name"), {})
-            entry = header.group("name") if line.startswith("ENTRY") else entry
             continue
         instruction = _INSTRUCTION.match(line)
         if instruction is None or current is None:
@@ -137,7 +136,7 @@ def _parse(text: str) -> tuple[dict[str, dict[str, _Instruction]], str, dict[str
         operands_text, _, attributes = tail.partition(")")
         operands = re.findall(r"%([\w.\-]+)", operands_text)
         current[instruction.group("name")] = _Instruction(_shape_of(type_text), opcode, operands, attributes)
-    return computations, entry, {name: "\n".join(lines) for name, lines in sections.items()}
+    return computations, {name: "\n".join(lines) for name, lines in sections.items()}
 
 
 def _called(attributes: str) -> list[str]:
@@ -261,7 +260,7 @@ def _pass(op_name: str, differentiated: bool) -> str:
 def operations(hlo_text: str) -> dict[str, Op]:
     """Every instruction of the optimized HLO's non-fused computations, by name, with its kind, matmul FLOPs, pass
     and origin."""
-    computations, _, sections = _parse(hlo_text)
+    computations, sections = _parse(hlo_text)
     frames = _Frames(sections)
     fused = {name for scope in computations.values() for i in scope.values() if i.opcode == "fusion"
              for name in _called(i.attributes)}  # fmt: skip
