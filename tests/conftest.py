@@ -14,10 +14,17 @@ import pytest
 pytest.register_assert_rewrite("tests.hf_families")
 
 # The suite compiles hundreds of small programs that then run for milliseconds: XLA's CPU backend without its
-# LLVM optimisation passes compiles them in about two thirds of the time (measured on 2 cores) and computes the
-# same functions. Set before JAX starts its backend; inherited by the subprocesses the tests launch.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# LLVM optimisation passes compiles them in about two thirds of the time, and with its older loop emitters in place
+# of the fusion emitters (MLIR) in about two thirds again (measured on 2 cores: tests/test_attention.py 50 s -> 29 s,
+# tests/test_deepseek.py with test_stack_and_dispatch.py 104 s -> 69 s; the whole suite 16:00 -> 10:05); both compute
+# the same functions, the code they make runs slower (1.2-1.5x on the bench rows), so a test that measures execution
+# takes them off (FAST_COMPILE_FLAGS). Set before JAX starts its backend; inherited by the subprocesses the tests
+# launch. A flag the user set is left alone.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE_FLAGS = tuple(flag.split("=")[0] for flag in FAST_COMPILE)
+for _flag in FAST_COMPILE:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 # ``auto`` backends follow their static rule in the suite (eqmoe.autotune): a run's numbers must not depend on
 # how loaded the machine was when it timed the candidates, and timing every candidate would compile each one.

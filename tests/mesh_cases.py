@@ -206,7 +206,8 @@ def test_two_processes_match_one(tmp_path):
     flags = dict(seq_len=64, batch_size=8, train_examples=300, eval_examples=16, steps=5, checkpoint_every=5)
     words = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + ["--eval-every=100", "--samples=0"]
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "XLA_FLAGS": " ".join([*xla_flags, "--xla_force_host_platform_device_count=1"])}
     command = [sys.executable, "-m", "experiments.sft", *words, f"--out-dir={tmp_path / 'two'}", "--mesh=data=2"]
     processes = [
         subprocess.Popen(

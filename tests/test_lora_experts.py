@@ -191,7 +191,8 @@ def test_expert_parallel_adapters_match_one_device():
     """Runs this file as a script with 8 simulated CPU devices (the device count is fixed when JAX starts)."""
     # A script's own folder heads its path, not the working directory: name the checkout explicitly.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": path}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path}
     command = [sys.executable, str(Path(__file__).resolve())]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
