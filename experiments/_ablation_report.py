@@ -96,10 +96,10 @@ def results_table(results: dict) -> str:
         f"# Ablation {model}: {run['steps']} steps x {run['batch_size']} x {run['seq_len']} tokens, "
         f"{_seeds_text(seeds)}",
         "",
-        f"Base overrides: `{json.dumps(results.get('base_overrides', {}))}`. Routing figures are on the held-out set at the "
-        "end, averaged "
-        "over MoE layers; MaxVio is the most loaded expert's load over the mean load, minus 1; NMI is the normalised "
-        "mutual information of expert choice and data domain.",
+        f"Base overrides: `{json.dumps(results.get('base_overrides', {}))}`. "
+        "Routing figures are on the held-out set at the end, averaged over MoE layers; MaxVio is the most loaded "
+        "expert's load over the mean load, minus 1; NMI is the normalised mutual information of expert choice and "
+        "data domain.",
         *(["", " ".join(inputs)] if inputs else []),
         "",
         *_explanation(results),

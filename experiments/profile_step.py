@@ -50,6 +50,8 @@ class Args:
     """Timed calls (the median is the step's time), then as many traced calls."""
     top: int = 6
     """Source lines listed per pass, by own time."""
+    ops: int = 6
+    """Operations other than matmuls listed per pass, by own time, with their result shapes."""
     peak_size: int = 4096
     """The square float32 matmul (median of 5) whose rate is the peak."""
     seed: int = 0
@@ -91,8 +93,9 @@ def _median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_gflops: float) -> dict:
-    """One row's pass: its wall time, fraction of peak, and its traced time by kind, pass and origin."""
+def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_gflops: float, ops: int = 6) -> dict:
+    """One row's pass: its wall time, fraction of peak, its traced time by kind, pass and origin, and its ``ops``
+    largest operations other than matmuls."""
     shape = SHAPES[name]
     ids = np.random.default_rng(seed).integers(0, shape.vocab, (shape.batch, shape.seq))
     call, hlo = _compiled(model, _eqmoe_batch(ids), pass_name, seed)
@@ -108,6 +111,13 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
         return [{"name": key, "ms": line.seconds * 1e3, "share": line.seconds / traced.traced_seconds,
                  "gflop": line.flops / 1e9, "count": line.count} for key, line in ordered]  # fmt: skip
 
+    others = sorted((n for n in traced.ops if traced.info[n].kind != "matmul"), key=lambda n: -traced.ops[n].seconds)
+    operations = [
+        {"name": n, "ms": traced.ops[n].seconds * 1e3, "share": traced.ops[n].seconds / traced.traced_seconds,
+         "count": traced.ops[n].count, "kind": traced.info[n].kind, "pass": traced.info[n].pass_,
+         "where": traced.info[n].where, "shape": traced.info[n].shape}
+        for n in others[:ops]
+    ]  # fmt: skip
     return {
         "shape": name,
         "pass": pass_name,
@@ -121,6 +131,7 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
         "kinds": lines(traced.by_kind),
         "passes": lines(traced.by_pass),
         "where": lines(traced.by_where),
+        "operations": operations,
     }
 
 
@@ -135,6 +146,12 @@ def report(entry: dict, top: int) -> str:
         "  by pass: " + ", ".join(f"{k['name']} {k['ms']:.1f} ms ({k['share']:.0%})" for k in entry["passes"]),
         "  by source:",
         *(f"    {k['name']}: {k['ms']:.1f} ms ({k['share']:.0%}){_gflop(k)}" for k in entry["where"][:top]),
+        "  largest other operations (own time per step, executions, kind, pass, source, result shape):",
+        *(
+            f"    {o['ms']:.1f} ms ({o['share']:.0%}) x{o['count']:g} {o['kind']}, {o['pass']}, {o['where']}, "
+            f"{list(o['shape']) if o['shape'] is not None else 'tuple'}: {o['name']}"
+            for o in entry["operations"]
+        ),
     ]
     return "\n".join(out)
 
@@ -173,7 +190,7 @@ def run(args: Args) -> dict:
         resolved = autotune.resolve(model.config, shape.batch, shape.seq)
         model = model.with_config(resolved.config)
         for pass_name in args.passes:
-            entry = row_profile(name, pass_name, model, args.repeats, args.seed, peak)
+            entry = row_profile(name, pass_name, model, args.repeats, args.seed, peak, args.ops)
             entry["backends"] = dict(resolved.choices)
             entries.append(entry)
             print(report(entry, args.top), flush=True)

@@ -98,3 +98,9 @@ ENTRY %main (a: f32[3,64,64], i: s32[]) -> f32[1,64,64] {
 
 def test_a_slice_whose_start_index_is_computed_is_still_data_movement():
     assert xla_profile.operations(SLICE_WITH_INDEX_ARITHMETIC)["slice_fusion"].kind == "data movement"
+
+
+def test_each_operation_carries_the_shape_of_its_result():
+    ops = xla_profile.operations(SLICE_WITH_INDEX_ARITHMETIC)
+    assert ops["slice_fusion"].shape == (1, 64, 64)
+    assert ops["a"].shape == (3, 64, 64) and ops["i"].shape == ()

@@ -49,6 +49,7 @@ class Op:
     flops: float  # matmul FLOPs of one execution
     pass_: str
     where: str
+    shape: tuple[int, ...] | None = None  # of its result; None for a tuple
 
 
 @dataclass
@@ -172,10 +173,20 @@ def _fused(computations, name: str) -> tuple[set[str], float]:
         if instruction.opcode == "dot":
             flops += _dot_flops(instruction, scope)
         if instruction.opcode == "fusion":
-            for inner in _called(instruction.attributes):
-                inner_opcodes, inner_flops = _fused(computations, inner)
-                opcodes |= inner_opcodes
-                flops += inner_flops
+            inner_opcodes, inner_flops = _inside(computations, instruction)
+            opcodes |= inner_opcodes
+            flops += inner_flops
+    return opcodes, flops
+
+
+def _inside(computations, fusion: _Instruction) -> tuple[set[str], float]:
+    """The opcodes and matmul FLOPs of the computations a fusion calls (:func:`_fused` of each)."""
+    opcodes: set[str] = set()
+    flops = 0.0
+    for called in _called(fusion.attributes):
+        more, more_flops = _fused(computations, called)
+        opcodes |= more
+        flops += more_flops
     return opcodes, flops
 
 
@@ -272,16 +283,13 @@ def operations(hlo_text: str) -> dict[str, Op]:
         for name, instruction in scope.items():
             inside, flops = set(), 0.0
             if instruction.opcode == "fusion":
-                for called in _called(instruction.attributes):
-                    more, more_flops = _fused(computations, called)
-                    inside |= more
-                    flops += more_flops
+                inside, flops = _inside(computations, instruction)
             elif instruction.opcode == "dot":
                 flops = _dot_flops(instruction, scope)
             op_name, frame_id = _metadata(instruction.attributes)
-            stack = frames.stack(frame_id) if frame_id is not None else []
-            where = _where(stack)
-            ops[name] = Op(name, _kind(instruction, inside), flops, _pass(op_name, differentiated), where)
+            where = _where(frames.stack(frame_id) if frame_id is not None else [])
+            kind, pass_ = _kind(instruction, inside), _pass(op_name, differentiated)
+            ops[name] = Op(name, kind, flops, pass_, where, instruction.shape)
     return ops
 
 
