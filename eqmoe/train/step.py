@@ -76,26 +76,31 @@ def batch_loss(
     loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
     stats = output.aux
     if stats is not None:
-        load = stats.load
-        terms["load_cv"] = jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9))
-        terms["load_max_over_mean"] = jnp.mean(jnp.max(load, -1) * load.shape[-1])  # 1 = perfectly balanced
-        terms["router_entropy"] = jnp.mean(stats.entropy) / jnp.log(max(load.shape[-1], 2))  # 1 = uniform
-        # Per MoE layer (lists in metrics.jsonl, one tracker scalar per layer): a dead or hot expert in one
-        # layer is hidden by the means above.
-        shares = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1e-9) * load.shape[-1]
-        terms["load_cv_by_layer"] = jnp.std(shares, axis=-1)
-        terms["load_max_minus_min_by_layer"] = jnp.max(shares, -1) - jnp.min(shares, -1)  # in uniform shares
+        uniform = jnp.log(max(stats.expert_counts.shape[-1], 2))
+        terms["router_entropy"] = jnp.mean(stats.entropy) / uniform  # 1 = uniform
+        terms["router_entropy_by_layer"] = stats.entropy / uniform
         terms["dropped_fraction_by_layer"] = stats.dropped_fraction
-        terms["router_entropy_by_layer"] = stats.entropy / jnp.log(max(load.shape[-1], 2))
-        terms.update(_max_vio_terms(stats.expert_counts))
+        terms.update(_load_terms(stats.expert_counts))
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
     return loss, (terms, None if stats is None else stats.expert_counts)
 
 
-def _max_vio_terms(expert_counts: Float[Array, "moe_layers experts"]) -> Metrics:
-    """``max_vio`` (the mean over MoE layers) and ``max_vio_by_layer`` of the batch's assignment counts."""
-    by_layer = max_violation(expert_counts)
-    return {"max_vio": jnp.mean(by_layer), "max_vio_by_layer": by_layer}
+def _load_terms(expert_counts: Float[Array, "moe_layers experts"]) -> Metrics:
+    """The balance of the batch's assignment counts: ratios of counts, so under accumulation they are taken of the
+    summed counts, never averaged. Per MoE layer too (lists in metrics.jsonl, one tracker scalar per layer): a dead or
+    hot expert in one layer is hidden by the means over layers."""
+    num_experts = expert_counts.shape[-1]
+    load = expert_counts / jnp.maximum(expert_counts.sum(-1, keepdims=True), 1.0)
+    shares = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1e-9) * num_experts  # 1 = uniform
+    max_vio = max_violation(expert_counts)
+    return {
+        "load_cv": jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)),
+        "load_max_over_mean": jnp.mean(jnp.max(load, -1) * num_experts),  # 1 = perfectly balanced
+        "load_cv_by_layer": jnp.std(shares, axis=-1),
+        "load_max_minus_min_by_layer": jnp.max(shares, -1) - jnp.min(shares, -1),  # in uniform shares
+        "max_vio": jnp.mean(max_vio),
+        "max_vio_by_layer": max_vio,
+    }
 
 
 def make_train_step(
@@ -124,7 +129,8 @@ def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
     """The gradient of the whole batch's objective taken over ``count`` micro-batches in a ``lax.scan``, so that
     activations are held for one micro-batch at a time. Each micro-batch's terms count by its share of the batch's
     target tokens: cross-entropy (a mean over target tokens) equals the whole batch's; the router losses are
-    the token-weighted mean of the micro-batches'; MaxVio is that of the summed expert counts. Returns
+    the token-weighted mean of the micro-batches' (so are router entropy and the dropped fraction); the load
+    balance (CV, max over mean, MaxVio) is that of the summed expert counts. Returns
     ``(terms, expert_counts, grads)`` like one batch."""
     micro = _micro_batches(batch, count)
     targets = jnp.sum(micro.target_mask[:, :, 1:], axis=(1, 2)).astype(jnp.float32)
@@ -146,8 +152,8 @@ def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
     shapes = eqx.filter_eval_shape(lambda: one(None, (0, shares[0], first))[0])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     (terms, counts, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(count), shares, micro))
-    if counts is not None:  # a ratio of the whole batch's loads, not a mean of the micro-batches' ratios
-        terms.update(_max_vio_terms(counts))
+    if counts is not None:  # ratios of the whole batch's loads, not means of the micro-batches' ratios
+        terms.update(_load_terms(counts))
     return terms, counts, grads
 
 
