@@ -1,8 +1,12 @@
 """What the speed benchmarks (``bench_model``, ``bench_moe``) need of the machine: where torch runs beside JAX, a call
-timed to its end on both frameworks, and the matmul peak in the dtype being timed."""
+timed to its end on both frameworks, the two frameworks timed in turn, and the matmul peak in the dtype being timed."""
 
 import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -34,3 +38,43 @@ def matmul_peak_gflops(size: int, dtype: str, repeats: int = 5) -> float:
     """This device's rate for a ``[size, size] @ [size, size]`` product in ``dtype``, GFLOP/s (the median of
     ``repeats``)."""
     return 1e3 * measure_peak_tflops(size, repeats, dtype)
+
+
+SETTLE_S = 0.25
+"""Idle seconds after every timed call while torch runs on the CPU: its OpenMP workers keep spinning on the
+cores for a while after a call returns, and the call timed next would share the machine with them."""
+
+
+def interleaved(
+    ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int, settle_s: float = SETTLE_S
+) -> dict[str, float]:
+    """First-call seconds and median seconds of ``ours`` and ``theirs`` over ``repeats`` timed calls each, each
+    call timed to its end (:func:`experiments._bench_device.finish`) and followed by ``settle_s`` idle seconds.
+
+    The sides alternate in two blocks each (ours, theirs, ours, theirs), and every block opens with an
+    untimed call. Alternating call by call measures each framework in the other's wake: on this machine
+    eqmoe's wide train step took 3.2 s alone and 10.6 s straight after torch's, the kernel zeroing the
+    pages torch had just released (``clear_page`` 87% of the samples); the call after that is back to
+    3.2 s. A user runs one framework per process, so each side is timed once it has the machine."""
+
+    def seconds(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        finish(fn())
+        elapsed = time.perf_counter() - start
+        time.sleep(settle_s)
+        return elapsed
+
+    first_ours, first_theirs = seconds(ours), seconds(theirs)
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    per_block = [repeats - repeats // 2, repeats // 2]
+    for count in per_block:
+        for side, fn in (("ours", ours), ("theirs", theirs)):
+            if count:
+                seconds(fn)  # the block's untimed opening call
+            times[side].extend(seconds(fn) for _ in range(count))
+    return {
+        "eqmoe_first_s": first_ours,
+        "hf_first_s": first_theirs,
+        "eqmoe_s": statistics.median(times["ours"]),
+        "hf_s": statistics.median(times["theirs"]),
+    }

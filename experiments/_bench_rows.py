@@ -6,6 +6,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -227,3 +229,7 @@ def _perturb_off_init(reference) -> None:
         for name, buffer in reference.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.add_(0.1 * torch.randn_like(buffer))
+
+
+def positions(batch: int, seq: int) -> np.ndarray:
+    return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import _bench_rows, bench_model, bench_moe
+from experiments import _bench_components, _bench_rows, bench_model, bench_moe
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -98,11 +98,11 @@ def test_the_sliding_layer_sees_its_window_and_no_further():
 
     shape = bench_model.Shape(**dict(TINY, layers=2), batch=1, seq=8, family="gpt_oss", window=3)
     reference, model = bench_model.build_models(shape, seed=0)
-    assert bench_model.attention_layers(model.config) == {"attention_sliding": 0, "attention_full": 1}
+    assert _bench_components.attention_layers(model.config) == {"attention_sliding": 0, "attention_full": 1}
     x, x_t = np.zeros((1, 8, TINY["embed"]), np.float32), torch.zeros(1, 8, TINY["embed"])
     masks = {
-        name: bench_model.attention_component(name, index, shape, model, reference, x, x_t).their_const[1]
-        for name, index in bench_model.attention_layers(model.config).items()
+        name: _bench_components.attention_component(name, index, shape, model, reference, x, x_t).their_const[1]
+        for name, index in _bench_components.attention_layers(model.config).items()
     }
     q, k = np.arange(8)[:, None], np.arange(8)[None, :]
     assert np.array_equal(masks["attention_sliding"][0, 0].numpy() == 0, (k <= q) & (k > q - 3))
@@ -180,9 +180,9 @@ def test_linear_layer_is_timed_alone_at_each_length():
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))  # building it eagerly takes 10 s
     rng = np.random.default_rng(0)
     model = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
-    assert bench_model.attention_layers(config) == {"attention_linear": 0, "attention_full": 3}
+    assert _bench_components.attention_layers(config) == {"attention_linear": 0, "attention_full": 3}
     shape = bench_model.Shape(**dict(TINY, layers=4), batch=2, seq=16, family="qwen3_next", linear_heads=(1, 2))
-    entries = bench_model.linear_scaling("qwen3-next", shape, model, (64, 256), repeats=2, seed=0)
+    entries = _bench_components.linear_scaling("qwen3-next", shape, model, (64, 256), repeats=2, seed=0)
     assert [(e["layer"], e["batch"], e["seq"], e["tokens"]) for e in entries] == [(0, 2, 64, 128), (0, 2, 256, 512)]
     for entry in entries:
         assert entry["eqmoe_ms"] > 0 and entry["temp_bytes"] > 0 and entry["compile_s"] > 0

@@ -11,7 +11,6 @@ from eqmoe.config_io import apply_overrides
 from eqmoe.data import ByteTokenizer, PackedDataset, encode_chats, pack, synthetic_split
 from eqmoe.train.step import accumulated_loss_and_grads, batch_loss, device_batch
 
-
 BALANCE_BY_LAYER = ("load_cv", "load_max_minus_min", "max_vio")
 
 
