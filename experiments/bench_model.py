@@ -29,9 +29,10 @@ Where JAX runs on a GPU, torch runs on it too. Passes:
   trains no auxiliary loss on either side (eqmoe moves its selection bias instead, as the family does).
 
 The two frameworks alternate in one process, in blocks of calls that each open with an untimed call
-(see :func:`experiments._bench_device.interleaved`); on the CPU torch uses ``os.cpu_count()`` threads, as XLA:CPU does. The first call of
-each side (eqmoe: compilation + one run) is reported apart from the medians of ``--repeats`` timed calls.
-``ratio`` = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe is faster). ``--breakdown`` times single
+(:func:`experiments._bench_device.interleaved`); on the CPU torch uses ``os.cpu_count()`` threads, as XLA:CPU
+does. The first call of each side (eqmoe: compilation + one run) is reported apart from the medians of
+``--repeats`` timed calls. ``ratio`` = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe is faster).
+``--breakdown`` times single
 components on the row's shapes, forward and forward+backward (the gradient of ``sum(out * g)``, fixed
 random ``g``, w.r.t. the inputs and parameters); there ``ratio`` = transformers ms / eqmoe ms. In a model whose
 layers differ in window (gpt-oss) the attention of its first sliding and of its first full layer are timed apart,
