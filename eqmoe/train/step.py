@@ -91,7 +91,7 @@ def _load_terms(expert_counts: Float[Array, "moe_layers experts"]) -> Metrics:
     hot expert in one layer is hidden by the means over layers."""
     num_experts = expert_counts.shape[-1]
     load = expert_counts / jnp.maximum(expert_counts.sum(-1, keepdims=True), 1.0)
-    shares = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1e-9) * num_experts  # 1 = uniform
+    shares = load * num_experts  # 1 = uniform
     max_vio = max_violation(expert_counts)
     return {
         "load_cv": jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)),
