@@ -272,7 +272,7 @@ def linear_scaling(name: str, shape: Shape, model, lengths: tuple[int, ...], rep
     return entries
 
 
-def _linear_scaling_table(entries: list[dict]) -> str:
+def linear_scaling_table(entries: list[dict]) -> str:
     cells = [
         [e["shape"], str(e["layer"]), f"{e['batch']}x{e['seq']}", f"{e['eqmoe_ms']:.1f}", f"{e['us_per_token']:.2f}"]
         + [f"{e['per_token_over_first']:.2f}", f"{e['temp_bytes'] / 2**20:,.1f}", f"{e['temp_bytes_per_token']:,.0f}"]
@@ -280,10 +280,10 @@ def _linear_scaling_table(entries: list[dict]) -> str:
         for e in entries
     ]
     header = ["shape", "layer", "tokens", "fwd+bwd ms", "us/token", "vs first", "temp MiB", "temp B/token", "vs first"]
-    return _table(header, cells)
+    return markdown_table(header, cells)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda cells: "| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])

@@ -49,7 +49,7 @@ def interleaved(
     ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int, settle_s: float = SETTLE_S
 ) -> dict[str, float]:
     """First-call seconds and median seconds of ``ours`` and ``theirs`` over ``repeats`` timed calls each, each
-    call timed to its end (:func:`experiments._bench_device.finish`) and followed by ``settle_s`` idle seconds.
+    call timed to its end (:func:`finish`) and followed by ``settle_s`` idle seconds.
 
     The sides alternate in two blocks each (ours, theirs, ours, theirs), and every block opens with an
     untimed call. Alternating call by call measures each framework in the other's wake: on this machine

@@ -67,11 +67,11 @@ import tyro
 
 from eqmoe import autotune, flops
 from experiments._bench_components import (
-    _linear_scaling_table,
-    _table,
     components,
     eqmoe_backends,
     linear_scaling,
+    linear_scaling_table,
+    markdown_table,
     time_component,
 )
 from experiments._bench_device import SETTLE_S, interleaved, matmul_peak_gflops, torch_device
@@ -417,7 +417,7 @@ def run(args: Args) -> dict:
     info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
     header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
     header += ["HF first s", "eqmoe GFLOP/s", "of peak", "HF of peak"]
-    print("\n" + _table(header, [_row_cells(r) for r in results["rows"]]))
+    print("\n" + markdown_table(header, [_row_cells(r) for r in results["rows"]]))
     print("ratio = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe faster); medians of", args.repeats, "calls")
     print(f"of peak = model FLOPs per second / the {info['matmul_peak_gflops']:.1f} GFLOP/s matmul peak measured above")
     print(f"\neqmoe against the limit and against transformers ({args.dtype}, torch on {device}):")
@@ -429,12 +429,12 @@ def run(args: Args) -> dict:
             for b in results["breakdown"]
         ]
         header = ["shape", "component", "pass", "eqmoe ms", "HF ms", "ratio", "max |diff|"]
-        print("\n" + _table(header, cells))
+        print("\n" + markdown_table(header, cells))
         print("ratio = transformers ms / eqmoe ms (> 1: eqmoe faster); max |diff| of the forward outputs")
     for ratio in results["sliding_over_full"]:
         print(_sliding_over_full_line(ratio))
     if results["linear_scaling"]:
-        print("\n" + _linear_scaling_table(results["linear_scaling"]))
+        print("\n" + linear_scaling_table(results["linear_scaling"]))
         print(
             "one linear (gated DeltaNet) layer alone, norm included, forward+backward; vs first = per token over the "
             "row's shortest length (flat: linear in the length); temp = XLA's compiled temporary bytes"
@@ -489,7 +489,7 @@ def summary_table(rows: list[dict]) -> str:
         for name, passes in by_row.items()
     ]
     header = ["row", "forward of peak", "forward vs HF", "train of peak", "train vs HF"]
-    return _table(header, cells)
+    return markdown_table(header, cells)
 
 
 def _row_cells(row: dict) -> list[str]:

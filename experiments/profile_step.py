@@ -93,7 +93,7 @@ def _median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_gflops: float, ops: int = 6) -> dict:
+def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_gflops: float, ops: int) -> dict:
     """One row's pass: its wall time, fraction of peak, its traced time by kind, pass and origin, and its ``ops``
     largest operations other than matmuls."""
     shape = SHAPES[name]
@@ -111,12 +111,11 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
         return [{"name": key, "ms": line.seconds * 1e3, "share": line.seconds / traced.traced_seconds,
                  "gflop": line.flops / 1e9, "count": line.count} for key, line in ordered]  # fmt: skip
 
-    others = sorted((n for n in traced.ops if traced.info[n].kind != "matmul"), key=lambda n: -traced.ops[n].seconds)
+    others = [(traced.info[name], line) for name, line in traced.ops.items() if traced.info[name].kind != "matmul"]
     operations = [
-        {"name": n, "ms": traced.ops[n].seconds * 1e3, "share": traced.ops[n].seconds / traced.traced_seconds,
-         "count": traced.ops[n].count, "kind": traced.info[n].kind, "pass": traced.info[n].pass_,
-         "where": traced.info[n].where, "shape": traced.info[n].shape}
-        for n in others[:ops]
+        {"name": op.name, "ms": line.seconds * 1e3, "share": line.seconds / traced.traced_seconds,
+         "count": line.count, "kind": op.kind, "pass": op.pass_, "where": op.where, "shape": op.shape}
+        for op, line in sorted(others, key=lambda item: -item[1].seconds)[:ops]
     ]  # fmt: skip
     return {
         "shape": name,
