@@ -11,7 +11,8 @@ from eqmoe.config_io import apply_overrides
 from eqmoe.data import ByteTokenizer, PackedDataset, encode_chats, pack, synthetic_split
 from eqmoe.train.step import accumulated_loss_and_grads, batch_loss, device_batch
 
-BALANCE_BY_LAYER = ("load_cv", "load_max_minus_min", "max_vio")
+SCALARS = ("load_cv", "load_max_over_mean", "max_vio", "router_entropy")
+BY_LAYER = ("load_cv", "load_max_minus_min", "max_vio", "router_entropy", "dropped_fraction")
 
 
 def test_micro_batches_give_the_gradient_of_their_union():
@@ -32,8 +33,8 @@ def test_micro_batches_give_the_gradient_of_their_union():
         terms, _, grads = accumulate(params, batch)
         np.testing.assert_allclose(terms["cross_entropy"], whole["cross_entropy"], rtol=1e-6)
         assert terms["target_tokens"] == whole["target_tokens"]
-        # balance figures are ratios of the step's summed assignment counts, not means of the micro-batches' ratios
-        for name in ("load_cv", "load_max_over_mean", "max_vio", *(f"{n}_by_layer" for n in BALANCE_BY_LAYER)):
+        # routing figures are ratios of the step's summed routing sums, not means of the micro-batches' ratios
+        for name in (*SCALARS, *(f"{n}_by_layer" for n in BY_LAYER)):
             np.testing.assert_allclose(terms[name], whole[name], rtol=1e-6, atol=1e-7, err_msg=name)
         for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
             np.testing.assert_allclose(got, want, atol=1e-6 * scale, rtol=0)

@@ -87,26 +87,42 @@ def test_max_vio_equals_its_definition_on_synthetic_routings():
     )
 
 
-def test_accumulated_micro_batches_log_the_whole_step_max_vio():
-    """Under gradient accumulation the step's MaxVio comes from the step's summed expert counts."""
-    counts_of_row = jnp.asarray(np.random.default_rng(2).integers(0, 9, (4, 2, NUM_EXPERTS)), jnp.float32)
+def test_accumulated_micro_batches_log_the_whole_step_routing_figures():
+    """Under gradient accumulation MaxVio, the dropped fraction and router entropy are those of the step's summed
+    routing sums (assignments, drops, entropy over real tokens), not means of the micro-batches' ratios."""
+    rng = np.random.default_rng(2)
+    counts_of_row = jnp.asarray(rng.integers(0, 9, (4, 2, NUM_EXPERTS)), jnp.float32)
+    dropped_of_row = jnp.asarray(rng.integers(0, 5, (4, 2)), jnp.float32)
+    tokens_of_row = jnp.asarray(rng.integers(1, 30, (4, 2)), jnp.float32)
+    entropy_of_row = tokens_of_row * jnp.asarray(rng.uniform(0.5, 2.0, (4, 2)), jnp.float32)
 
-    def loss_of(params, rows, key):  # rows.tokens[:, 0] names each row's [layers, experts] assignment counts
-        counts = counts_of_row[rows.tokens[:, 0]].sum(0)
-        by_layer = jax_max_violation(counts)
-        terms = {"loss": params * 0.0, "max_vio": jnp.mean(by_layer), "max_vio_by_layer": by_layer}
-        terms["target_tokens"] = jnp.sum(rows.target_mask[:, 1:]).astype(jnp.float32)
-        return params * 0.0, (terms, counts)
+    def loss_of(params, rows, key):  # rows.tokens[:, 0] names each row's routing sums
+        row = rows.tokens[:, 0]
+        sums = {
+            "expert_counts": counts_of_row[row].sum(0),
+            "dropped": dropped_of_row[row].sum(0),
+            "entropy_sum": entropy_of_row[row].sum(0),
+            "num_tokens": tokens_of_row[row].sum(0),
+        }
+        terms = {"loss": params * 0.0, "target_tokens": jnp.sum(rows.target_mask[:, 1:]).astype(jnp.float32)}
+        return params * 0.0, (terms, sums)
 
     index = jnp.arange(4)[:, None] * jnp.ones((1, 3), jnp.int32)
     batch = Batch(index, jnp.ones_like(index), index * 0, jnp.ones(index.shape, bool))
-    terms, counts, _ = accumulated_loss_and_grads(loss_of, jnp.float32(1.0), batch, 2, jax.random.key(0))
-    whole = counts_of_row.sum(0)
-    np.testing.assert_allclose(counts, whole)
-    np.testing.assert_allclose(terms["max_vio_by_layer"], max_violation(np.asarray(whole)), rtol=1e-6)
-    np.testing.assert_allclose(terms["max_vio"], max_violation(np.asarray(whole)).mean(), rtol=1e-6)
-    halves = [max_violation(np.asarray(counts_of_row)[[j, j + 2]].sum(0)) for j in range(2)]
-    assert not np.allclose(terms["max_vio_by_layer"], np.mean(halves, axis=0))  # the weighted mean would differ
+    terms, sums, _ = accumulated_loss_and_grads(loss_of, jnp.float32(1.0), batch, 2, jax.random.key(0))
+    whole = np.asarray(counts_of_row).sum(0)
+    np.testing.assert_allclose(sums["expert_counts"], whole)
+    np.testing.assert_allclose(terms["max_vio_by_layer"], max_violation(whole), rtol=1e-6)
+    np.testing.assert_allclose(terms["max_vio"], max_violation(whole).mean(), rtol=1e-6)
+    dropped = np.asarray(dropped_of_row).sum(0) / whole.sum(-1)
+    np.testing.assert_allclose(terms["dropped_fraction_by_layer"], dropped, rtol=1e-6)
+    entropy = np.asarray(entropy_of_row).sum(0) / np.asarray(tokens_of_row).sum(0) / np.log(NUM_EXPERTS)
+    np.testing.assert_allclose(terms["router_entropy_by_layer"], entropy, rtol=1e-6)
+    np.testing.assert_allclose(terms["router_entropy"], entropy.mean(), rtol=1e-6)
+    halves = [np.asarray(counts_of_row)[[j, j + 2]].sum(0) for j in range(2)]  # micro-batch j: rows j, j + 2
+    assert not np.allclose(terms["max_vio_by_layer"], np.mean([max_violation(h) for h in halves], axis=0))
+    half_drops = [np.asarray(dropped_of_row)[[j, j + 2]].sum(0) / halves[j].sum(-1) for j in range(2)]
+    assert not np.allclose(terms["dropped_fraction_by_layer"], np.mean(half_drops, axis=0))
 
 
 def _hf_balance_by_definition(experts: np.ndarray, probs: np.ndarray, real: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from eqmoe.train.balance import update_router_biases
 from eqmoe.train.state import TrainState
 
 Metrics = dict[str, Float[Array, ""]]
+RoutingSums = dict[str, Float[Array, "..."]]  # :func:`_routing_sums`
 
 
 class Batch(eqx.Module):
@@ -62,10 +63,10 @@ def held_out_batches(rows: packing.PackedRows, batch_size: int) -> Iterator[tupl
 
 def batch_loss(
     model: Transformer, batch: Batch, key: PRNGKeyArray | None = None
-) -> tuple[Float[Array, ""], tuple[Metrics, Float[Array, "moe_layers experts"] | None]]:
+) -> tuple[Float[Array, ""], tuple[Metrics, RoutingSums | None]]:
     """The configured objective on a packed batch (padding, segment id 0, is masked everywhere), its
-    terms and each MoE layer's expert assignment counts (``None`` without MoE layers). ``key``: the step's
-    training-time randomness (LoRA dropout)."""
+    terms and each MoE layer's routing sums (:func:`_routing_sums`; ``None`` without MoE layers). ``key``: the
+    step's training-time randomness (LoRA dropout)."""
     output = model(
         batch.tokens,
         segment_ids=batch.segment_ids,
@@ -74,26 +75,39 @@ def batch_loss(
         key=key,
     )
     loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
-    stats = output.aux
-    if stats is not None:
-        uniform = jnp.log(max(stats.expert_counts.shape[-1], 2))
-        terms["router_entropy"] = jnp.mean(stats.entropy) / uniform  # 1 = uniform
-        terms["router_entropy_by_layer"] = stats.entropy / uniform
-        terms["dropped_fraction_by_layer"] = stats.dropped_fraction
-        terms.update(_load_terms(stats.expert_counts))
+    sums = None if output.aux is None else _routing_sums(output.aux)
+    if sums is not None:
+        terms.update(_routing_terms(sums))
     terms["target_tokens"] = jnp.sum(batch.target_mask[:, 1:]).astype(jnp.float32)
-    return loss, (terms, None if stats is None else stats.expert_counts)
+    return loss, (terms, sums)
 
 
-def _load_terms(expert_counts: Float[Array, "moe_layers experts"]) -> Metrics:
-    """The balance of the batch's assignment counts: ratios of counts, so under accumulation they are taken of the
-    summed counts, never averaged. Per MoE layer too (lists in metrics.jsonl, one tracker scalar per layer): a dead or
-    hot expert in one layer is hidden by the means over layers."""
+def _routing_sums(stats: RouterStats) -> RoutingSums:
+    """The additive part of each MoE layer's routing statistics: under accumulation these add up over the
+    micro-batches and the step's routing terms are taken of the sums (exactly the whole batch's)."""
+    return {
+        "expert_counts": stats.expert_counts,
+        "dropped": stats.dropped,
+        "entropy_sum": stats.entropy_sum,
+        "num_tokens": stats.num_tokens,
+    }
+
+
+def _routing_terms(sums: RoutingSums) -> Metrics:
+    """Router entropy (1 = uniform), the dropped fraction and the load balance of a batch's routing sums, per MoE
+    layer too (lists in metrics.jsonl, one tracker scalar per layer): a dead or hot expert in one layer is hidden by
+    the means over layers. Ratios of sums, so under accumulation never averaged."""
+    expert_counts = sums["expert_counts"]
     num_experts = expert_counts.shape[-1]
-    load = expert_counts / jnp.maximum(expert_counts.sum(-1, keepdims=True), 1.0)
+    assignments = jnp.maximum(expert_counts.sum(-1), 1.0)
+    entropy = sums["entropy_sum"] / jnp.maximum(sums["num_tokens"], 1.0) / jnp.log(max(num_experts, 2))
+    load = expert_counts / assignments[..., None]
     shares = load * num_experts  # 1 = uniform
     max_vio = max_violation(expert_counts)
     return {
+        "router_entropy": jnp.mean(entropy),
+        "router_entropy_by_layer": entropy,
+        "dropped_fraction_by_layer": sums["dropped"] / assignments,
         "load_cv": jnp.mean(jnp.std(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)),
         "load_max_over_mean": jnp.mean(jnp.max(load, -1) * num_experts),  # 1 = perfectly balanced
         "load_cv_by_layer": jnp.std(shares, axis=-1),
@@ -128,10 +142,10 @@ def _micro_batches(batch: Batch, count: int) -> Batch:
 def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
     """The gradient of the whole batch's objective taken over ``count`` micro-batches in a ``lax.scan``, so that
     activations are held for one micro-batch at a time. Each micro-batch's terms count by its share of the batch's
-    target tokens: cross-entropy (a mean over target tokens) equals the whole batch's; the router losses are
-    the token-weighted mean of the micro-batches' (so are router entropy and the dropped fraction); the load
-    balance (CV, max over mean, MaxVio) is that of the summed expert counts. Returns
-    ``(terms, expert_counts, grads)`` like one batch."""
+    target tokens: cross-entropy (a mean over target tokens) equals the whole batch's and the router losses are
+    the token-weighted mean of the micro-batches'; the routing sums add up, and router entropy, the dropped
+    fraction and the load balance (CV, max over mean, MaxVio) are taken of the summed ones. Returns
+    ``(terms, routing sums, grads)`` like one batch."""
     micro = _micro_batches(batch, count)
     targets = jnp.sum(micro.target_mask[:, :, 1:], axis=(1, 2)).astype(jnp.float32)
     shares = targets / jnp.maximum(jnp.sum(targets), 1.0)
@@ -143,18 +157,18 @@ def accumulated_loss_and_grads(loss_of, part, batch: Batch, count: int, key):
             loss, aux = loss_of(p, rows, jax.random.fold_in(key, index))
             return loss * share, aux
 
-        (_, (terms, counts)), grads = eqx.filter_value_and_grad(weighted, has_aux=True)(part)
+        (_, (terms, sums)), grads = eqx.filter_value_and_grad(weighted, has_aux=True)(part)
         terms = {name: value if name == "target_tokens" else value * share for name, value in terms.items()}
-        step = (terms, counts, grads)  # counts (expert assignments) and target tokens add up; the rest is weighted
+        step = (terms, sums, grads)  # routing sums and target tokens add up; the rest is weighted
         return step if carry is None else jax.tree.map(jnp.add, carry, step), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = eqx.filter_eval_shape(lambda: one(None, (0, shares[0], first))[0])
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    (terms, counts, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(count), shares, micro))
-    if counts is not None:  # ratios of the whole batch's loads, not means of the micro-batches' ratios
-        terms.update(_load_terms(counts))
-    return terms, counts, grads
+    (terms, sums, grads), _ = jax.lax.scan(one, zeros, (jnp.arange(count), shares, micro))
+    if sums is not None:  # ratios of the whole batch's sums, not means of the micro-batches' ratios
+        terms.update(_routing_terms(sums))
+    return terms, sums, grads
 
 
 def train_step_fn(
@@ -176,17 +190,17 @@ def train_step_fn(
         dropout_key = jax.random.fold_in(step_key, 0)
         if micro_batches == 1:
             loss_of = lambda part, batch: batch_loss(eqx.combine(part, constant), batch, dropout_key)  # noqa: E731
-            (_, (terms, expert_counts)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
+            (_, (terms, routing)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(differentiated, batch)
         else:
             loss_of = lambda part, rows, key: batch_loss(eqx.combine(part, constant), rows, key)  # noqa: E731
-            terms, expert_counts, grads = accumulated_loss_and_grads(
+            terms, routing, grads = accumulated_loss_and_grads(
                 loss_of, differentiated, batch, micro_batches, dropout_key
             )
         params = eqx.filter(state.model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
-        if expert_counts is not None and trained(Role.ROUTER):
-            model = update_router_biases(model, expert_counts)
+        if routing is not None and trained(Role.ROUTER):
+            model = update_router_biases(model, routing["expert_counts"])
         terms["grad_norm"] = optax.tree.norm(grads)
         terms["learning_rate"] = schedule(state.step)
         new_state = TrainState(model, opt_state, state.step + 1, state.data_step + 1, step_key)
