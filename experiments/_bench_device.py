@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from eqmoe.flops import measure_peak_tflops
 
@@ -38,6 +39,38 @@ def matmul_peak_gflops(size: int, dtype: str, repeats: int = 5) -> float:
     """This device's rate for a ``[size, size] @ [size, size]`` product in ``dtype``, GFLOP/s (the median of
     ``repeats``)."""
     return 1e3 * measure_peak_tflops(size, repeats, dtype)
+
+
+def matmul_rates_gflops(rows: int, inner: int, cols: int, dtype: str, device: str, repeats: int = 5) -> dict:
+    """GFLOP/s of one ``[rows, inner] @ [inner, cols]`` product in ``dtype`` by each framework's own kernel: XLA's
+    (``jnp.dot``, what eqmoe's matmuls run) and torch's (``torch.mm`` on ``device``, what transformers' run). Each
+    is the median of ``repeats`` timed calls of enough back-to-back products to take ~50 ms, after a warm-up."""
+    import numpy as np
+    import torch
+
+    flop = 2 * rows * inner * cols
+    products = max(1, int(10e9 * 0.05 // flop))  # ~50 ms at 10 GFLOP/s and over
+    rng = np.random.default_rng(0)
+    left, right = (rng.standard_normal(shape, np.float32) for shape in ((rows, inner), (inner, cols)))
+    ours = jax.jit(jnp.dot)
+    ours_args = tuple(jnp.asarray(a, jnp.dtype(dtype)) for a in (left, right))
+    theirs_args = tuple(torch.from_numpy(a).to(device, getattr(torch, dtype)) for a in (left, right))
+
+    def rate(product, args) -> float:
+        def call():
+            for _ in range(products):
+                result = product(*args)
+            finish(result)
+
+        call()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return flop * products / statistics.median(times) / 1e9
+
+    return {"jnp_dot_gflops": rate(ours, ours_args), "torch_mm_gflops": rate(torch.mm, theirs_args)}
 
 
 SETTLE_S = 0.25

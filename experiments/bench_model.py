@@ -74,7 +74,7 @@ from experiments._bench_components import (
     markdown_table,
     time_component,
 )
-from experiments._bench_device import SETTLE_S, interleaved, matmul_peak_gflops, torch_device
+from experiments._bench_device import SETTLE_S, interleaved, matmul_peak_gflops, matmul_rates_gflops, torch_device
 from experiments._bench_rows import DEFAULT_ROWS, PASSES, SHAPES, Shape, build_models, positions
 from experiments._cli import UsageError, guarded
 from experiments.options import DispatchOption, DtypeOption, JsonFileOptions
@@ -315,6 +315,8 @@ def run(args: Args) -> dict:
     print(
         f"matmul peak: {info['matmul_peak_gflops']:.1f} GFLOP/s ({args.dtype} {args.peak_size}^2 jnp.dot, median of 5)"
     )
+    info["square_matmul"] = matmul_rates_gflops(args.peak_size, args.peak_size, args.peak_size, args.dtype, device)
+    print(f"the same square by each framework's kernel: {_kernel_rates(info['square_matmul'])}")
     settle_s = SETTLE_S if device == "cpu" else 0.0
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
@@ -366,6 +368,13 @@ def run(args: Args) -> dict:
         print(f"{name}: {shape}: max |logit diff| eqmoe ({backends}) vs transformers {logit_diff:.2e}{in_dtype}")
         if not logit_diff < args.logit_tolerance:
             raise RuntimeError(f"{name}: logits differ by {logit_diff:.2e} >= {args.logit_tolerance}; not timing")
+        expert_matmul = expert_matmul_shape(shape)
+        expert_rates = {"shape": expert_matmul, **matmul_rates_gflops(*expert_matmul, args.dtype, device)}
+        print(
+            f"{name}: an expert's first matmul [{expert_matmul[0]} x {expert_matmul[1]}] @ [{expert_matmul[1]} x "
+            f"{expert_matmul[2]}] (its mean routed rows; gate and up together) by each framework's kernel: "
+            f"{_kernel_rates(expert_rates)}"
+        )
 
         for pass_name in passes:
             if pass_name == "forward":
@@ -400,6 +409,7 @@ def run(args: Args) -> dict:
                     "logit_max_abs_diff": logit_diff,
                     f"logit_max_abs_diff_{args.dtype}": diffs[args.dtype],
                     "eqmoe_backends": backends,
+                    "expert_matmul": expert_rates,
                 }
             )
         if args.breakdown:
@@ -469,26 +479,34 @@ def _sliding_over_full_line(ratio: dict) -> str:
     )
 
 
+def expert_matmul_shape(shape: Shape) -> tuple[int, int, int]:
+    """``(rows, inner, cols)`` of a routed expert's first product on the row's batch: the mean rows an expert is
+    routed, the model's width, its gate and up projections together (both frameworks multiply them as one)."""
+    rows = max(1, shape.batch * shape.seq * shape.top_k // shape.experts)
+    return rows, shape.embed, 2 * shape.expert_dim
+
+
+def _kernel_rates(rates: dict) -> str:
+    ours, theirs = rates["jnp_dot_gflops"], rates["torch_mm_gflops"]
+    return f"jnp.dot {ours:.1f} GFLOP/s, torch.mm {theirs:.1f} GFLOP/s ({theirs / ours:.2f}x jnp.dot's)"
+
+
 def summary_table(rows: list[dict]) -> str:
     """One line per row: eqmoe's fraction of the matmul peak and its speed over transformers', forward and train
-    (``-`` for a pass not run)."""
+    (``-`` for a pass not run), and how much faster torch's matmul kernel multiplies the row's expert product than
+    XLA's: a step that is matmuls alone on both sides can be at most its inverse as fast as transformers'."""
     by_row: dict[str, dict[str, dict]] = {}
     for row in rows:
         by_row.setdefault(row["shape"], {})[row["pass"]] = row
-    cells = [
-        [name]
-        + [
-            cell
-            for pass_name in PASSES
-            for cell in (
-                (f"{100 * passes[pass_name]['eqmoe_of_peak']:.1f}%", f"{passes[pass_name]['ratio']:.2f}x")
-                if pass_name in passes
-                else ("-", "-")
-            )
-        ]
-        for name, passes in by_row.items()
-    ]
-    header = ["row", "forward of peak", "forward vs HF", "train of peak", "train vs HF"]
+    cells = []
+    for name, passes in by_row.items():
+        cells.append([name])
+        for pass_name in PASSES:
+            row = passes.get(pass_name)
+            cells[-1] += [f"{100 * row['eqmoe_of_peak']:.1f}%", f"{row['ratio']:.2f}x"] if row else ["-", "-"]
+        rates = next(iter(passes.values()))["expert_matmul"]
+        cells[-1].append(f"{rates['torch_mm_gflops'] / rates['jnp_dot_gflops']:.2f}x")
+    header = ["row", "forward of peak", "forward vs HF", "train of peak", "train vs HF", "expert matmul torch/XLA"]
     return markdown_table(header, cells)
 
 

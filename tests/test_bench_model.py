@@ -44,6 +44,11 @@ def test_tiny_run_writes_every_row_pass_and_component(tmp_path):
             assert row[field] > 0, field
         assert row["hf_first_call_s"] > 0 and math.isfinite(row["ratio"]) and row["ratio"] > 0
         assert row["ratio"] == pytest.approx(row["eqmoe_tokens_per_s"] / row["hf_tokens_per_s"])
+        # 2 x 16 tokens top-2 over 4 experts: 16 rows each, [16 x 32] @ [32 x 64] (gate and up, 32 wide each)
+        assert row["expert_matmul"]["shape"] == [16, 32, 64]
+        assert row["expert_matmul"]["jnp_dot_gflops"] > 0 and row["expert_matmul"]["torch_mm_gflops"] > 0
+    square = results["machine"]["square_matmul"]
+    assert square["jnp_dot_gflops"] > 0 and square["torch_mm_gflops"] > 0
 
     names = {entry["component"] for entry in results["breakdown"]}
     assert names == {"attention", "moe", "dense_swiglu_64", "rmsnorm", "embed_head_loss"}
@@ -239,7 +244,8 @@ def test_tiny_deepseek_row_in_bfloat16_against_transformers(tmp_path, capsys):
     printed = capsys.readouterr().out
     forward, train = results["rows"]
     summary = f"{100 * forward['eqmoe_of_peak']:.1f}% | {forward['ratio']:.2f}x | {100 * train['eqmoe_of_peak']:.1f}%"
-    assert "| row | forward of peak | forward vs HF | train of peak | train vs HF |" in " ".join(printed.split())
+    header = "| row | forward of peak | forward vs HF | train of peak | train vs HF | expert matmul torch/XLA |"
+    assert header in " ".join(printed.split())
     assert summary in " ".join(printed.split())
 
 
