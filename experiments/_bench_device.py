@@ -41,10 +41,18 @@ def matmul_peak_gflops(size: int, dtype: str, repeats: int = 5) -> float:
     return 1e3 * measure_peak_tflops(size, repeats, dtype)
 
 
-def matmul_rates_gflops(rows: int, inner: int, cols: int, dtype: str, device: str, repeats: int = 5) -> dict:
+SETTLE_S = 0.25
+"""Idle seconds after every timed call while torch runs on the CPU: its OpenMP workers keep spinning on the
+cores for a while after a call returns, and the call timed next would share the machine with them."""
+
+
+def matmul_rates_gflops(
+    rows: int, inner: int, cols: int, dtype: str, device: str, repeats: int = 5, settle_s: float = SETTLE_S
+) -> dict:
     """GFLOP/s of one ``[rows, inner] @ [inner, cols]`` product in ``dtype`` by each framework's own kernel: XLA's
     (``jnp.dot``, what eqmoe's matmuls run) and torch's (``torch.mm`` on ``device``, what transformers' run). Each
-    is the median of ``repeats`` timed calls of enough back-to-back products to take ~50 ms, after a warm-up."""
+    is the median of ``repeats`` timed calls of enough back-to-back products to take ~50 ms, after a warm-up call
+    and ``settle_s`` idle seconds (:data:`SETTLE_S`)."""
     import numpy as np
     import torch
 
@@ -63,6 +71,7 @@ def matmul_rates_gflops(rows: int, inner: int, cols: int, dtype: str, device: st
             finish(result)
 
         call()
+        time.sleep(settle_s)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -71,11 +80,6 @@ def matmul_rates_gflops(rows: int, inner: int, cols: int, dtype: str, device: st
         return flop * products / statistics.median(times) / 1e9
 
     return {"jnp_dot_gflops": rate(ours, ours_args), "torch_mm_gflops": rate(torch.mm, theirs_args)}
-
-
-SETTLE_S = 0.25
-"""Idle seconds after every timed call while torch runs on the CPU: its OpenMP workers keep spinning on the
-cores for a while after a call returns, and the call timed next would share the machine with them."""
 
 
 def interleaved(

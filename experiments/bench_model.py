@@ -315,9 +315,10 @@ def run(args: Args) -> dict:
     print(
         f"matmul peak: {info['matmul_peak_gflops']:.1f} GFLOP/s ({args.dtype} {args.peak_size}^2 jnp.dot, median of 5)"
     )
-    info["square_matmul"] = matmul_rates_gflops(args.peak_size, args.peak_size, args.peak_size, args.dtype, device)
-    print(f"the same square by each framework's kernel: {_kernel_rates(info['square_matmul'])}")
     settle_s = SETTLE_S if device == "cpu" else 0.0
+    square = (args.peak_size,) * 3
+    info["square_matmul"] = matmul_rates_gflops(*square, args.dtype, device, settle_s=settle_s)
+    print(f"the same square by each framework's kernel: {_kernel_rates(info['square_matmul'])}")
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
     built: tuple = (None, None, None)
@@ -369,7 +370,8 @@ def run(args: Args) -> dict:
         if not logit_diff < args.logit_tolerance:
             raise RuntimeError(f"{name}: logits differ by {logit_diff:.2e} >= {args.logit_tolerance}; not timing")
         expert_matmul = expert_matmul_shape(shape)
-        expert_rates = {"shape": expert_matmul, **matmul_rates_gflops(*expert_matmul, args.dtype, device)}
+        rates = matmul_rates_gflops(*expert_matmul, args.dtype, device, settle_s=settle_s)
+        expert_rates = {"shape": expert_matmul, **rates}
         print(
             f"{name}: an expert's first matmul [{expert_matmul[0]} x {expert_matmul[1]}] @ [{expert_matmul[1]} x "
             f"{expert_matmul[2]}] (its mean routed rows; gate and up together) by each framework's kernel: "

@@ -2,6 +2,7 @@
 
     python -m experiments.profile_step                           # bench_model's rows, forward and train step
     python -m experiments.profile_step --shape fine --passes train --top 12 --json-out fine.json
+    python -m experiments.profile_step --shape fine --passes train --layers separate   # what the layer scan costs
 
 Each row is ``bench_model``'s (the same random model read back from a transformers folder, the same batch, the same
 ``auto`` backends chosen by measurement). The program is compiled once, its median wall time taken over
@@ -16,6 +17,11 @@ time, against the same peak); and the **ceiling**: the fraction of peak the step
 its matmuls took no time, i.e. the model's FLOPs over the matmuls' own time. A row below its target with a ceiling
 near its achieved figure is bound by how fast this machine multiplies matrices of its shapes; one far below its
 ceiling is bound by the rest, which the table names.
+
+``--layers separate`` measures what the stacked layout costs: each layer's parameters (and so their gradients and
+optimizer moments) become arrays of their own, run by a Python loop, so nothing is sliced out of or written into a
+stacked array and no per-layer output is stacked. It is a measurement, not a training mode: the program grows with
+the depth (compile time too), which the stacked ``lax.scan`` exists to avoid.
 """
 
 import dataclasses
@@ -29,11 +35,14 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tyro
 
 from eqmoe import autotune, flops
 from eqmoe.analysis.xla_profile import KINDS, Profile, profile
+from eqmoe.nn.block import Block
+from eqmoe.nn.stack import RepeatedUnit, interleave_routings
 from eqmoe.train.logging import write_json_atomic
 from experiments._bench_device import matmul_peak_gflops
 from experiments._bench_rows import DEFAULT_ROWS, PASSES, SHAPES, build_models
@@ -58,6 +67,8 @@ class Args:
     """Seed of the weights and the token ids (as bench_model's)."""
     json_out: Path | None = None
     """Also write the results to this JSON file."""
+    layers: Literal["stacked", "separate"] = "stacked"
+    """How the layers' parameters are held: stacked and scanned (eqmoe's layout) or each layer's arrays apart."""
 
 
 def _compiled(model, batch, pass_name: str, seed: int):
@@ -81,6 +92,30 @@ def _compiled(model, batch, pass_name: str, seed: int):
         return holder[0], metrics
 
     return call, compiled.compiled.as_text()
+
+
+class SeparateLayers(eqx.Module):
+    """A :class:`~eqmoe.nn.stack.RepeatedUnit`'s repeats as separate units, each holding its own arrays, run in a
+    Python loop (no cache, no dropout: the benchmark's passes use neither)."""
+
+    units: tuple[tuple[Block, ...], ...]
+
+    def __init__(self, stacked: RepeatedUnit):
+        params, static = eqx.partition(stacked.blocks, eqx.is_array)
+        self.units = tuple(
+            eqx.combine(jax.tree.map(lambda leaf, i=i: leaf[i], params), static) for i in range(stacked.repeats)
+        )
+
+    def __call__(self, x, context, cache=None, key=None):
+        per_unit = []
+        for unit in self.units:
+            routings = []
+            for block in unit:
+                x, routing, _ = block(x, context, None, None)
+                routings.append(routing)
+            per_unit.append(tuple(r for r in routings if r is not None))
+        routings = jax.tree.map(lambda *xs: jnp.stack(xs), *per_unit)  # as the scan stacks them: [repeats, ...]
+        return x, interleave_routings(routings), None
 
 
 def _median_seconds(call, repeats: int) -> float:
@@ -136,6 +171,8 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
 
 def report(entry: dict, top: int) -> str:
     name, pass_name = entry["shape"], entry["pass"]
+    if entry.get("layers") == "separate":
+        pass_name += " (separate layers)"
     out = [
         f"{name} {pass_name}: {entry['ms']:.1f} ms, {entry['model_gflop']:.2f} model GFLOP, {entry['of_peak']:.1%} of "
         f"peak; traced own time {entry['traced_ms']:.1f} ms; matmuls {entry['matmul_gflop']:.2f} GFLOP "
@@ -188,9 +225,12 @@ def run(args: Args) -> dict:
         _, model = build_models(shape, args.seed)
         resolved = autotune.resolve(model.config, shape.batch, shape.seq)
         model = model.with_config(resolved.config)
+        if args.layers == "separate":
+            model = eqx.tree_at(lambda m: m.segments, model, tuple(SeparateLayers(s) for s in model.segments))
         for pass_name in args.passes:
             entry = row_profile(name, pass_name, model, args.repeats, args.seed, peak, args.ops)
             entry["backends"] = dict(resolved.choices)
+            entry["layers"] = args.layers
             entries.append(entry)
             print(report(entry, args.top), flush=True)
     results = {"peak_gflops": peak, "args": dataclasses.asdict(args), "rows": entries}

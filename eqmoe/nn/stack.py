@@ -14,7 +14,7 @@ from eqmoe.nn.router import Routing
 from eqmoe.params import Layer
 
 
-def _interleave(per_position: tuple[Routing, ...]) -> Routing | None:
+def interleave_routings(per_position: tuple[Routing, ...]) -> Routing | None:
     """Routings of a unit's routed blocks, each ``[repeats, ...]``, in layer order ``[repeats * n, ...]``."""
     if not per_position:
         return None
@@ -83,4 +83,4 @@ class RepeatedUnit(Layer):
                 x, unit_outputs = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], (params, cache, keys)))
                 outputs.append(unit_outputs)
             routings, cache = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
-        return x, _interleave(routings), cache
+        return x, interleave_routings(routings), cache
