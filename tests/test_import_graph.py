@@ -55,7 +55,14 @@ def imports(module: str) -> set[str]:
 
 GRAPH = {module: imports(module) for module in MODULES}
 # the config's pure-data pieces: the checks and the nested configs kept in their own files
-CONFIG_PIECES = {"eqmoe._checks", "eqmoe.rope_scaling", "eqmoe.latent_attention", "eqmoe.linear_attention"}
+CONFIG_PIECES = {
+    "eqmoe._checks",
+    "eqmoe.attention_config",
+    "eqmoe.moe_config",
+    "eqmoe.rope_scaling",
+    "eqmoe.latent_attention",
+    "eqmoe.linear_attention",
+}
 
 
 def _reachable(start: str) -> set[str]:
