@@ -54,6 +54,28 @@ def test_scanned_and_unrolled_stacks_agree(remat):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_the_unrolled_gradient_of_a_stacked_parameter_is_one_stack():
+    """Unrolled, each stacked parameter's gradient is its layers' gradients stacked once, not each layer's padded
+    into a zero-filled stack and the stacks added (on 2 CPU cores that made a 4-layer train step 8-9% slower)."""
+    config = SMALL.replace(scan_layers=False, layers=tuple(["moe"] * 3))
+    params, static = eqx.partition(Transformer(config, key=jax.random.key(0)), eqx.is_array)
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    loss = lambda p: jnp.mean(eqx.combine(p, static)(tokens).logits)  # noqa: E731
+    stacked = {leaf.shape for leaf in jax.tree.leaves(params) if leaf.ndim >= 2 and leaf.shape[0] == 3}
+    assert len(stacked) >= 5  # the router's, the experts', attention's and the norms' weights
+
+    def made(jaxpr) -> list[str]:
+        found = []
+        for equation in jaxpr.eqns:
+            found += [equation.primitive.name for v in equation.outvars if getattr(v.aval, "shape", ()) in stacked]
+            for inner in jax.extend.core.jaxprs_in_params(equation.params):
+                found += made(inner)
+        return found
+
+    primitives = made(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert "pad" not in primitives and "dynamic_update_slice" not in primitives and "scatter-add" not in primitives
+
+
 def test_router_stats_are_in_layer_order():
     """A unit of two MoE blocks scanned twice reports four layers in checkpoint order."""
     config = SMALL.replace(layers=tuple(["moe", "moe"] * 2))

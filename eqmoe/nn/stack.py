@@ -21,6 +21,24 @@ def interleave_routings(per_position: tuple[Routing, ...]) -> Routing | None:
     return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *per_position)
 
 
+@jax.custom_vjp
+def _unstack(stacked: Array) -> tuple[Array, ...]:
+    """``stacked``'s slices along its first axis. Its gradient is one stack of the slices' gradients: the slices'
+    own (``stacked[i]``) would each scatter into a zero-filled array of the whole stack, and those be added."""
+    return tuple(stacked[i] for i in range(stacked.shape[0]))
+
+
+def _unstack_forward(stacked):
+    return _unstack(stacked), None
+
+
+def _unstack_backward(_, gradients):
+    return (jnp.stack(gradients),)
+
+
+_unstack.defvjp(_unstack_forward, _unstack_backward)
+
+
 class RepeatedUnit(Layer):
     """``repeats`` copies of a unit of blocks; every array leaf carries a leading ``repeats`` axis.
 
@@ -78,9 +96,11 @@ class RepeatedUnit(Layer):
         if self.scan:
             x, (routings, cache) = jax.lax.scan(run_unit, x, (params, cache, keys))
         else:
+            leaves, tree = jax.tree.flatten((params, cache, keys))
+            sliced = [_unstack(leaf) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf for leaf in leaves]
             outputs = []
             for index in range(self.repeats):
-                x, unit_outputs = run_unit(x, jax.tree.map(lambda leaf, i=index: leaf[i], (params, cache, keys)))
+                x, unit_outputs = run_unit(x, tree.unflatten([parts[index] for parts in sliced]))
                 outputs.append(unit_outputs)
             routings, cache = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
         return x, interleave_routings(routings), cache
