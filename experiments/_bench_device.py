@@ -51,13 +51,13 @@ def matmul_rates_gflops(
 ) -> dict:
     """GFLOP/s of one ``[rows, inner] @ [inner, cols]`` product in ``dtype`` by each framework's own kernel: XLA's
     (``jnp.dot``, what eqmoe's matmuls run) and torch's (``torch.mm`` on ``device``, what transformers' run). Each
-    is the median of ``repeats`` timed calls of enough back-to-back products to take ~50 ms, after a warm-up call
+    is the median of ``repeats`` timed calls of 20 GFLOP of back-to-back products each, after a warm-up call
     and ``settle_s`` idle seconds (:data:`SETTLE_S`)."""
     import numpy as np
     import torch
 
     flop = 2 * rows * inner * cols
-    products = max(1, int(10e9 * 0.05 // flop))  # ~50 ms at 10 GFLOP/s and over
+    products = max(1, int(2e10 // flop))  # ~80 ms a call on this CPU: the dispatch of each product is a small share
     rng = np.random.default_rng(0)
     left, right = (rng.standard_normal(shape, np.float32) for shape in ((rows, inner), (inner, cols)))
     ours = jax.jit(jnp.dot)
