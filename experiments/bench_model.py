@@ -319,6 +319,16 @@ def run(args: Args) -> dict:
     square = (args.peak_size,) * 3
     info["square_matmul"] = matmul_rates_gflops(*square, args.dtype, device, settle_s=settle_s)
     print(f"the same square by each framework's kernel: {_kernel_rates(info['square_matmul'])}")
+    expert_rates = {}  # timed before any model is built, as the peak is: the same state of the machine
+    for name, shape, _ in rows:
+        expert_matmul = expert_matmul_shape(shape)
+        rates = matmul_rates_gflops(*expert_matmul, args.dtype, device, settle_s=settle_s)
+        expert_rates[name] = {"shape": expert_matmul, **rates}
+        print(
+            f"{name}: an expert's first matmul [{expert_matmul[0]} x {expert_matmul[1]}] @ [{expert_matmul[1]} x "
+            f"{expert_matmul[2]}] (its mean routed rows; gate and up together) by each framework's kernel: "
+            f"{_kernel_rates(rates)}"
+        )
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
     built: tuple = (None, None, None)
@@ -369,14 +379,6 @@ def run(args: Args) -> dict:
         print(f"{name}: {shape}: max |logit diff| eqmoe ({backends}) vs transformers {logit_diff:.2e}{in_dtype}")
         if not logit_diff < args.logit_tolerance:
             raise RuntimeError(f"{name}: logits differ by {logit_diff:.2e} >= {args.logit_tolerance}; not timing")
-        expert_matmul = expert_matmul_shape(shape)
-        rates = matmul_rates_gflops(*expert_matmul, args.dtype, device, settle_s=settle_s)
-        expert_rates = {"shape": expert_matmul, **rates}
-        print(
-            f"{name}: an expert's first matmul [{expert_matmul[0]} x {expert_matmul[1]}] @ [{expert_matmul[1]} x "
-            f"{expert_matmul[2]}] (its mean routed rows; gate and up together) by each framework's kernel: "
-            f"{_kernel_rates(expert_rates)}"
-        )
 
         for pass_name in passes:
             if pass_name == "forward":
@@ -411,7 +413,7 @@ def run(args: Args) -> dict:
                     "logit_max_abs_diff": logit_diff,
                     f"logit_max_abs_diff_{args.dtype}": diffs[args.dtype],
                     "eqmoe_backends": backends,
-                    "expert_matmul": expert_rates,
+                    "expert_matmul": expert_rates[name],
                 }
             )
         if args.breakdown:
