@@ -1,7 +1,9 @@
 """The step profiler: operations' own times from nested trace events, matmul FLOPs and passes from the optimized HLO."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eqmoe.analysis import xla_profile
@@ -104,3 +106,19 @@ def test_each_operation_carries_the_shape_of_its_result():
     ops = xla_profile.operations(SLICE_WITH_INDEX_ARITHMETIC)
     assert ops["slice_fusion"].shape == (1, 64, 64)
     assert ops["a"].shape == (3, 64, 64) and ops["i"].shape == ()
+
+
+def test_separate_layers_compute_what_the_stacked_ones_do():
+    """profile_step --layers separate times the same model: the logits and routing of the stacked scan."""
+    from eqmoe import Transformer, presets
+    from experiments.profile_step import SeparateLayers
+
+    config = presets.get("qwen3-moe-micro")  # four MoE layers: one unit scanned four times
+    model = Transformer(config, key=jax.random.key(0))
+    separate = eqx.tree_at(lambda m: m.segments, model, tuple(SeparateLayers(s) for s in model.segments))
+    size = lambda tree: sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))  # noqa: E731
+    assert size(separate) == size(model) and [len(s.units) for s in separate.segments] == [4]
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, config.vocab_size)
+    stacked_out, separate_out = eqx.filter_jit(model)(tokens), eqx.filter_jit(separate)(tokens)
+    np.testing.assert_allclose(separate_out.logits, stacked_out.logits, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(separate_out.aux.expert_counts, stacked_out.aux.expert_counts)
