@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqmoe.flops import measure_peak_tflops
 
@@ -53,7 +54,6 @@ def matmul_rates_gflops(
     (``jnp.dot``, what eqmoe's matmuls run) and torch's (``torch.mm`` on ``device``, what transformers' run). Each
     is the median of ``repeats`` timed calls of 20 GFLOP of back-to-back products each, after a warm-up call
     and ``settle_s`` idle seconds (:data:`SETTLE_S`)."""
-    import numpy as np
     import torch
 
     flop = 2 * rows * inner * cols

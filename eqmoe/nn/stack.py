@@ -43,7 +43,8 @@ class RepeatedUnit(Layer):
     """``repeats`` copies of a unit of blocks; every array leaf carries a leading ``repeats`` axis.
 
     Run as one ``lax.scan`` over that axis, so the program holds one copy of the unit whatever the
-    depth. ``scan=False`` runs the same parameters in a Python loop (a check and a debugging aid).
+    depth. ``scan=False`` runs the same parameters in a Python loop (a check, a debugging aid, and on a CPU a faster
+    train step for a shallow model: its backward pass neither zero-fills stacked buffers nor slices them).
 
     With a decoding cache the cache holds one entry per block of the unit, each the block's attention kind's own
     cache with a leading ``repeats`` axis like the parameters; the scan runs over the unit's parameters and its
