@@ -48,8 +48,11 @@ class AttentionConfig:
     :data:`eqmoe.registries.ATTENTION_BACKENDS` or ``"auto"``: ``"blockwise"`` is flash-style
     attention in ``block_size`` tiles, memory linear in length, masked tiles skipped; ``"dense"`` is the
     reference that materialises every score; ``"cudnn"`` is cuDNN's fused kernel (GPU, half precision,
-    plain causal masks); ``"auto"`` is chosen by timing the eligible backends on a training run's shapes
-    (:mod:`eqmoe.autotune`: ``dense`` only where a whole row fits in one tile), else it picks ``cudnn`` where it
+    plain causal masks); ``"splash"`` is the TPU's Pallas flash kernel (self-attention over a multiple of 128
+    tokens; its blocks are the largest multiple of 128 up to ``block_size`` that divides the length; off the TPU it
+    runs in Pallas interpret mode, for checking); ``"auto"`` is chosen by timing the eligible backends on a
+    training run's shapes (:mod:`eqmoe.autotune`: ``dense`` only where a whole row fits in one tile, ``splash`` on
+    the TPU at each of its block sizes), else it picks ``splash`` on a TPU where it applies, ``cudnn`` where it
     applies and ``blockwise`` elsewhere.
     """
 

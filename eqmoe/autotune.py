@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from eqmoe.cache import cache_root
 from eqmoe.config import ModelConfig
+from eqmoe.nn import splash
 from eqmoe.nn._init import Init
 from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
@@ -42,6 +43,11 @@ ENV = "EQMOE_AUTO"
 MEMORY_FACTOR = 4.0
 REPEATS = 3
 DISPATCH, ATTENTION = "moe.dispatch", "attention.backend"
+TILES, BLOCK = "moe.tiles", "attention.block_size"  # set beside a kernel chosen at one of its tilings
+# The grouped-matmul tilings timed on a TPU (rows, in, out): MaxText's default first, then what won on one v5e chip
+# for fine experts (1024, 256, 256) and coarse ones (512, 1024, 1024); a tile larger than its dimension shrinks to it.
+GMM_TILES = ((512, 1024, 1024), (1024, 1024, 1024), (1024, 512, 512), (512, 512, 512), (1024, 256, 256))
+SPLASH_BLOCKS = (512, 1024, 256)  # those that divide the sequence; 512 won at 2048 and 8192 tokens on one v5e chip
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,19 @@ class Measurement:
     workload: str = ""
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"moe.tiles": "512,1024,1024"}
+
+    def choices(self) -> dict[str, str]:
+        """The execution fields this choice sets: the backend's and, for a kernel timed at several tilings, its
+        tiling's."""
+        return {self.field: self.choice, **self.settings}
 
     def line(self) -> str:
         timed = ", ".join(
             f"{name} {seconds * 1e3:.2f} ms" for name, seconds in sorted(self.seconds.items(), key=_by_time)
         )
-        parts = [f"auto {self.field} -> {self.choice!r} ({self.how}"]
+        setting = "".join(f", {name}={value}" for name, value in self.settings.items())
+        parts = [f"auto {self.field} -> {self.choice!r}{setting} ({self.how}"]
         if self.workload:
             parts.append(f" on {self.workload}")
         parts.append(f": {timed}" if timed else "")
@@ -106,29 +119,38 @@ def resolve(
     measurements = []
     if config.moe is not None and config.moe.dispatch == "auto":
         if DISPATCH in recorded:
-            measurements.append(Measurement(DISPATCH, recorded[DISPATCH], "recorded by the run"))
+            measurements.append(_recorded(DISPATCH, recorded, TILES))
         elif not use_rule:  # the rule applies where the layer runs, as it always has
             measurements.append(_cached_or_timed(_DispatchWorkload(config, rows * seq, training), cache))
     if _has_softmax_attention(config) and config.attention.backend == "auto":
         if ATTENTION in recorded:
-            measurements.append(Measurement(ATTENTION, recorded[ATTENTION], "recorded by the run"))
+            measurements.append(_recorded(ATTENTION, recorded, BLOCK))
         elif not use_rule:
             measurements.append(_cached_or_timed(_AttentionWorkload(config, rows, seq, training), cache))
     for measurement in measurements:
         report(measurement.line())
-    choices = {m.field: m.choice for m in measurements}
+    choices = {name: value for m in measurements for name, value in m.choices().items()}
     return Resolved(_with_choices(config, choices), choices, tuple(measurements))
+
+
+def _recorded(field: str, recorded: dict[str, str], setting: str) -> Measurement:
+    settings = {setting: recorded[setting]} if setting in recorded else {}
+    return Measurement(field, recorded[field], "recorded by the run", settings=settings)
 
 
 def _with_choices(config: ModelConfig, choices: dict[str, str]) -> ModelConfig:
     if DISPATCH in choices:
         DISPATCH_BACKENDS.get(choices[DISPATCH])  # an unknown recorded name raises, naming the registered ones
-        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, dispatch=choices[DISPATCH]))
+        moe = dataclasses.replace(config.moe, dispatch=choices[DISPATCH])
+        if TILES in choices:
+            moe = dataclasses.replace(moe, tiles=tuple(int(t) for t in choices[TILES].split(",")))
+        config = dataclasses.replace(config, moe=moe)
     if ATTENTION in choices:
         ATTENTION_BACKENDS.get(choices[ATTENTION])
-        config = dataclasses.replace(
-            config, attention=dataclasses.replace(config.attention, backend=choices[ATTENTION])
-        )
+        attention = dataclasses.replace(config.attention, backend=choices[ATTENTION])
+        if BLOCK in choices:
+            attention = dataclasses.replace(attention, block_size=int(choices[BLOCK]))
+        config = dataclasses.replace(config, attention=attention)
     return config
 
 
@@ -138,9 +160,11 @@ def _has_softmax_attention(config: ModelConfig) -> bool:
 
 class _Workload:
     """One field's candidates on one shape: ``key`` identifies it in the cache, ``eligible`` says why a candidate
-    is not timed (``None``: timed), ``program(name)`` is ``(jitted function, arguments)``."""
+    is not timed (``None``: timed), ``program(label)`` is ``(jitted function, arguments)``. A candidate is a
+    backend's name, or ``name[setting]`` for a kernel timed at one of several tilings (:func:`_label`)."""
 
     field: str
+    setting: str  # the execution field a candidate's tiling sets
     description: str
     key: dict
 
@@ -150,8 +174,32 @@ class _Workload:
     def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
         return None
 
-    def program(self, name: str):
+    def program(self, label: str):
         raise NotImplementedError
+
+    def measurement(self, label: str, how: str, **details) -> Measurement:
+        name, setting = _unlabel(label)
+        settings = {} if setting is None else {self.setting: setting}
+        return Measurement(self.field, name, how, self.description, settings=settings, **details)
+
+
+def _label(name: str, setting: tuple[int, ...] | int) -> str:
+    """``gmm[512,1024,1024]``: a backend at one tiling."""
+    values = setting if isinstance(setting, tuple) else (setting,)
+    return f"{name}[{','.join(str(v) for v in values)}]"
+
+
+def _unlabel(label: str) -> tuple[str, str | None]:
+    name, bracket, setting = label.partition("[")
+    return name, setting.rstrip("]") if bracket else None
+
+
+def _off_platform(platforms: tuple[str, ...] | None) -> str | None:
+    """Why a kernel made for ``platforms`` is not timed here (``None``: it is)."""
+    platform = jax.default_backend()
+    if platforms is None or platform in platforms:
+        return None
+    return f"a {'/'.join(p.upper() for p in platforms)} kernel (interpret mode on {platform.upper()})"
 
 
 def _cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
@@ -169,7 +217,7 @@ def _cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
     entries = _read_cache(cache)
     entry = entries.get(key)
     if isinstance(entry, dict) and entry.get("choice") in candidates:
-        return Measurement(workload.field, entry["choice"], "cached", workload.description, entry.get("seconds", {}))
+        return workload.measurement(entry["choice"], "cached", seconds=entry.get("seconds", {}))
     skipped = {name: why for name in candidates if (why := workload.eligible(name, candidates)) is not None}
     seconds = {}
     for name in candidates:
@@ -187,7 +235,7 @@ def _cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
         raise ValueError(f"auto {workload.field}: no registered backend can run {workload.description}: {skipped}")
     choice = min(seconds, key=seconds.__getitem__)
     _write_cache(cache, {**entries, key: {"choice": choice, "seconds": seconds}})
-    return Measurement(workload.field, choice, "measured", workload.description, seconds, skipped)
+    return workload.measurement(choice, "measured", seconds=seconds, skipped=skipped)
 
 
 def _time(function, arguments, *, best: float | None) -> float:
@@ -235,7 +283,7 @@ def _loss_and_grads(apply, training: bool):
 
 
 class _DispatchWorkload(_Workload):
-    field = DISPATCH
+    field, setting = DISPATCH, TILES
 
     def __init__(self, config: ModelConfig, tokens: int, training: bool):
         self.config, self.tokens, self.training = config, tokens, training
@@ -262,12 +310,20 @@ class _DispatchWorkload(_Workload):
         }
 
     def candidates(self) -> tuple[str, ...]:
-        return tuple(DISPATCH_BACKENDS.names())
+        names = DISPATCH_BACKENDS.names()
+        if "gmm" in names and _off_platform(DISPATCH_BACKENDS.get("gmm").platforms) is None:
+            names = tuple(
+                label for name in names for label in ([_label(name, t) for t in GMM_TILES] if name == "gmm" else [name])
+            )
+        return names
 
-    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+    def eligible(self, label: str, candidates: tuple[str, ...]) -> str | None:
+        name, _ = _unlabel(label)
+        if (why := _off_platform(DISPATCH_BACKENDS.get(name).platforms)) is not None:
+            return why
         if not self._runs(name):
             return "needs a capacity factor" if name == "capacity" else "refuses this config"
-        least = min(self._bytes(other) for other in candidates if self._runs(other))
+        least = min(self._bytes(_unlabel(other)[0]) for other in candidates if self._runs(_unlabel(other)[0]))
         if self._bytes(name) > MEMORY_FACTOR * least:
             return f"plans {self._bytes(name) / least:.0f}x the activations of the leanest"
         return None
@@ -286,16 +342,20 @@ class _DispatchWorkload(_Workload):
         moe, c = self.config.moe, jnp.dtype(self.config.dtype).itemsize
         return DISPATCH_BACKENDS.get(name).estimate(moe, self.tokens, self.config.embed_dim, moe.expert_dim, c)
 
-    def program(self, name: str):
+    def program(self, label: str):
         config, dtype = self.config, jnp.dtype(self.config.dtype)
         init = Init(config.init, config.init_std, dtype)
-        layer = MoE(config.embed_dim, dataclasses.replace(config.moe, dispatch=name), init=init, key=jax.random.key(0))
+        name, tiles = _unlabel(label)
+        moe = dataclasses.replace(config.moe, dispatch=name)
+        if tiles is not None:
+            moe = dataclasses.replace(moe, tiles=tuple(int(t) for t in tiles.split(",")))
+        layer = MoE(config.embed_dim, moe, init=init, key=jax.random.key(0))
         x = jax.random.normal(jax.random.key(1), (1, self.tokens, config.embed_dim), jnp.float32).astype(dtype)
         return _loss_and_grads(lambda layer, x: layer(x)[0], self.training), (layer, x)
 
 
 class _AttentionWorkload(_Workload):
-    field = ATTENTION
+    field, setting = ATTENTION, BLOCK
 
     def __init__(self, config: ModelConfig, rows: int, seq: int, training: bool):
         attention = config.attention
@@ -323,17 +383,28 @@ class _AttentionWorkload(_Workload):
         }
 
     def candidates(self) -> tuple[str, ...]:
-        return tuple(ATTENTION_BACKENDS.names())
+        names = ATTENTION_BACKENDS.names()
+        blocks = [b for b in SPLASH_BLOCKS if self.seq % b == 0]
+        if "splash" in names and _off_platform(splash.PLATFORMS) is None and blocks:
+            names = tuple(
+                label for name in names for label in ([_label(name, b) for b in blocks] if name == "splash" else [name])
+            )
+        return names
 
-    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+    def eligible(self, label: str, candidates: tuple[str, ...]) -> str | None:
+        name, _ = _unlabel(label)
+        if name == "splash":
+            return _off_platform(splash.PLATFORMS) or splash.refusal(self.seq, self.seq)
         if name == "dense" and self.seq > self.config.attention.block_size:
             return f"quadratic memory: {self.seq} tokens exceed one tile of {self.config.attention.block_size}"
         if name == "cudnn":  # packed rows and padding are masks of their own: the fused kernel refuses them
             return "needs a plain causal mask, which packed rows are not"
         return None
 
-    def program(self, name: str):
+    def program(self, label: str):
+        name, block = _unlabel(label)
         dtype, attention = jnp.dtype(self.config.dtype), self.config.attention
+        block_size = attention.block_size if block is None else int(block)
         keys = jax.random.split(jax.random.key(2), 3)
         shape = (self.rows, self.kv_heads, self.seq)
         q = jax.random.normal(keys[0], (*shape[:2], self.group, self.seq, self.qk_dim)).astype(dtype)
@@ -348,6 +419,6 @@ class _AttentionWorkload(_Workload):
         def apply(qkv, mask):
             q, k, v = qkv
             scale = self.qk_dim**-0.5
-            return backend(q, k, v, mask, scale=scale, block_size=attention.block_size, window=None, **extra)
+            return backend(q, k, v, mask, scale=scale, block_size=block_size, window=None, **extra)
 
         return _loss_and_grads(apply, self.training), ((q, k, v), mask)

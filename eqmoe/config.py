@@ -142,6 +142,9 @@ def segments(layers: tuple[LayerKind, ...]) -> tuple[Segment, ...]:
     return tuple(found)
 
 
+REMATS = ("none", "dots", "offload", "block", "auto")  # least recomputation first; auto: the first that fits
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer LM, one :class:`LayerKind` per layer (its attention and FFN kinds).
@@ -153,7 +156,12 @@ class ModelConfig:
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the parameters.
     ``scan_layers=False`` unrolls each segment into a Python loop (same numbers, a program and compile time that grow
     with the depth; on a CPU a shallow model's train step is faster, its forward pass slower: README).
-    ``remat="block"`` recomputes each repeat unit's activations in the backward pass.
+    ``remat`` says what the backward pass recomputes (:data:`eqmoe.nn.stack.REMAT_POLICIES`): ``"none"`` keeps every
+    activation; ``"dots"`` keeps the matmul and kernel outputs (projections, attention, experts) and recomputes the
+    cheap elementwise work between them; ``"offload"`` moves those outputs to host memory and back; ``"block"``
+    recomputes each repeat unit from its input; ``"auto"`` is the least recomputation whose compiled step fits the
+    device's memory, chosen by the training loop before its first step (:mod:`eqmoe.train.memory_fit`; elsewhere
+    ``"none"``).
     ``init``: ``"normal"`` draws every weight from N(0, init_std^2) (HF ``initializer_range``);
     ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
     ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
@@ -200,7 +208,7 @@ class ModelConfig:
     # param_dtype float32 whatever --dtype says, so their resumes may change --dtype.
     param_dtype: DType = "float32"
     scan_layers: bool = execution(True)
-    remat: Literal["none", "block"] = execution("none")
+    remat: Literal["none", "dots", "offload", "block", "auto"] = execution("none")
     mtp_layers: int = 0
     mtp_layers_declared: int | None = execution(None)
     family: str = "qwen3_moe"
@@ -213,7 +221,7 @@ class ModelConfig:
         object.__setattr__(self, "layers", tuple(layer_kind(layer) for layer in layers))
         _one_of("ModelConfig", "dtype", self.dtype, _DTYPES)
         _one_of("ModelConfig", "param_dtype", self.param_dtype, _DTYPES)
-        _one_of("ModelConfig", "remat", self.remat, ("none", "block"))
+        _one_of("ModelConfig", "remat", self.remat, REMATS)
         _one_of("ModelConfig", "init", self.init, ("normal", "fan_in"))
         _one_of("ModelConfig", "tied_logit_scale", self.tied_logit_scale, ("none", "rsqrt_embed"))
         mtp = self.mtp_layers

@@ -145,10 +145,12 @@ class MoEConfig:
     or ``"auto"``: ``"dense"`` runs every expert on every token (the reference); ``"sorted"`` sorts
     token slots by expert into blocks of ``block_size`` rows and runs grouped matmuls (dropless);
     ``"ragged_dot"`` sorts them without padding and calls ``jax.lax.ragged_dot`` (dropless, the GPU/TPU
-    path); ``"capacity"`` is the GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity
-    factor); ``"auto"`` is chosen by timing every eligible backend on a training run's shapes
-    (:mod:`eqmoe.autotune`), else (``EQMOE_AUTO=rule``, meshes, inference) it picks ``capacity`` for capacity
-    routing, ``sorted`` on CPU and ``ragged_dot`` on accelerators.
+    path); ``"gmm"`` sorts them, pads them to whole row tiles and runs the TPU's grouped-matmul kernel in
+    ``tiles = (rows, in, out)`` (dropless; Pallas interpret mode off the TPU, for checking); ``"capacity"`` is the
+    GShard einsum over ``[groups, S, E, C]`` buffers (needs a capacity factor); ``"auto"`` is chosen by timing
+    every eligible backend on a training run's shapes (:mod:`eqmoe.autotune`; ``gmm`` on the TPU, at several
+    tiles), else (``EQMOE_AUTO=rule``, meshes, inference) it picks ``capacity`` for capacity routing, ``sorted`` on
+    CPU, ``gmm`` on TPU and ``ragged_dot`` on GPU.
     Every backend gives the same numbers for the same routing.
 
     ``shared_experts`` SwiGLU experts of width ``shared_expert_dim`` (``None``: ``expert_dim``) see every token
@@ -174,9 +176,17 @@ class MoEConfig:
     expert_bias: bool = False
     dispatch: str = execution("auto")
     block_size: int = execution(64)
+    tiles: tuple[int, int, int] = execution((512, 1024, 1024))
 
     def __post_init__(self):
         _positive("MoEConfig", expert_dim=self.expert_dim, block_size=self.block_size)
+        _check(
+            len(self.tiles) == 3 and all(isinstance(t, int) and t > 0 for t in self.tiles),
+            "MoEConfig",
+            "tiles",
+            self.tiles,
+            "three positive integers (rows, in, out)",
+        )
         _positive("MoEConfig", swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         _check(self.shared_experts >= 0, "MoEConfig", "shared_experts", self.shared_experts, "an integer >= 0")
         if self.shared_expert_dim is not None:

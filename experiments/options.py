@@ -70,8 +70,10 @@ class StartOptions(DtypeOption, PresetOptions):
     """Start from this eqmoe checkpoint (experiments.convert output or a run's checkpoints folder)."""
     import_modules: ImportModules = ()
     """Python module to import first (repeat the flag for more), e.g. one registering a router strategy."""
-    remat: Literal["none", "block"] = "none"
-    """Recompute each layer unit's activations in the backward pass to save memory."""
+    remat: Literal["none", "dots", "offload", "block", "auto"] = "none"
+    """What the backward pass recomputes to save memory: none; dots keeps matmul and kernel outputs; offload moves
+    them to host memory; block recomputes each layer unit; auto: the least recomputation whose compiled step fits the
+    device's memory."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ from experiments.options import DispatchOption, DtypeOption, JsonOptions, LoRAOp
 class Args(PresetOptions, ShapeOptions, DtypeOption, DispatchOption, LoRAOptions, JsonOptions):
     meshes: tuple[str, ...] = ("data=1",)
     """Mesh or meshes to plan, e.g. fsdp=64,expert=16 (simulated CPU devices are created to match)."""
-    remats: tuple[Literal["none", "block"], ...] = ("none",)
-    """Remat policy or policies to plan: none keeps every activation, block recomputes each layer unit."""
+    remats: tuple[Literal["none", "dots", "offload", "block"], ...] = ("none",)
+    """Remat policy or policies to plan: none keeps every activation, dots keeps matmul and kernel outputs, offload
+    moves them to host memory, block recomputes each layer unit."""
     peak_tflops: float = 989.0
     """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
     mfu: float = 0.4

@@ -185,7 +185,9 @@ def estimate(
     residual = c * _RESIDUAL_COPIES * d
     costs = layer_costs(config, shape)
     layers = [attention.activations + ffn.activations + residual for attention, ffn in costs]
-    if config.remat == "block":
+    # "dots" keeps the matmul and kernel outputs, most of what "none" keeps (its figure is an upper bound); "offload"
+    # keeps them in host memory, so the device holds what "block" holds
+    if config.remat in ("block", "offload"):
         # Layer inputs stay; one repeat unit is recomputed at a time and its backward frees activations as
         # it consumes them (about three quarters of the unit's are live at once on XLA:CPU).
         units, start = [], 0

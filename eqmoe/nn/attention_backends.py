@@ -19,9 +19,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from eqmoe.config import AttentionConfig
+from eqmoe.nn import splash
 from eqmoe.nn.context import AttentionMask
 from eqmoe.nn.flash import blockwise_attention
 from eqmoe.registries import ATTENTION_BACKENDS
@@ -108,6 +110,7 @@ Backend = Callable[..., Output]
 ATTENTION_BACKENDS.register("blockwise", blockwise_attention)
 ATTENTION_BACKENDS.register("dense", dense_attention)
 ATTENTION_BACKENDS.register("cudnn", cudnn_attention)
+ATTENTION_BACKENDS.register("splash", splash.splash_attention)
 BACKENDS = ATTENTION_BACKENDS  # the name this registry had before it moved to eqmoe.registries
 
 
@@ -119,13 +122,18 @@ def backend_name(
     window: int | None = None,
     same_widths: bool = True,
     sinks: bool = False,
+    lengths: tuple[int, int] | None = None,
 ) -> str:
-    """The backend ``config.backend`` resolves to: ``auto`` is ``cudnn`` on GPU for half precision, a plain causal
-    mask, no window, no sinks and equal query and value widths; ``blockwise`` otherwise."""
+    """The backend ``config.backend`` resolves to: ``auto`` is ``splash`` on a TPU where the kernel can compute the
+    call (``lengths``, queries and keys, given and self-attention over a multiple of 128 tokens); ``cudnn`` on GPU for
+    half precision, a plain causal mask, no window, no sinks and equal query and value widths; ``blockwise``
+    otherwise."""
     name = config.backend
     if name != "auto":
         return name
     platform = jax.default_backend() if platform is None else platform
+    if platform in splash.PLATFORMS and lengths is not None and splash.refusal(*lengths) is None:
+        return "splash"
     half = jnp.dtype(dtype) in (jnp.dtype("bfloat16"), jnp.dtype("float16"))
     fused = platform == "gpu" and half and mask.plain_causal and window is None and same_widths and not sinks
     return "cudnn" if fused else "blockwise"
@@ -147,11 +155,16 @@ def attend(
 ) -> Output:
     """``config.backend``'s attention (resolving ``auto``), logged once per choice at trace time."""
     same_widths = q.shape[-1] == v.shape[-1]
-    name = backend_name(config, mask, q.dtype, window=window, same_widths=same_widths, sinks=sinks is not None)
+    lengths = (q.shape[3], k.shape[2])
+    name = backend_name(
+        config, mask, q.dtype, window=window, same_widths=same_widths, sinks=sinks is not None, lengths=lengths
+    )
     if (config.backend, name) not in _logged:
         _logged.add((config.backend, name))
         _log.info("attention backend %r runs as %r", config.backend, name)
     backend = ATTENTION_BACKENDS.get(name)
     if sinks is None:  # a backend registered before sinks existed keeps working where none are asked for
-        return backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window)
-    return backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window, sinks=sinks)
+        out = backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window)
+    else:
+        out = backend(q, k, v, mask, scale=scale, block_size=config.block_size, window=window, sinks=sinks)
+    return checkpoint_name(out, "attention")  # kept by remat "dots" (eqmoe.nn.stack.REMAT_POLICIES)

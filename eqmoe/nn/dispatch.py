@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqmoe.config import MoEConfig
+from eqmoe.nn import megablox
 from eqmoe.nn.experts import RoutedExperts
 from eqmoe.nn.grouped import grouped_experts
 from eqmoe.nn.router import Routing, expert_capacity
@@ -160,6 +161,21 @@ def ragged(
     return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
 
 
+def grouped_matmul(
+    x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
+) -> Float[Array, "tokens embed"]:
+    """Dropless grouped compute with the TPU's grouped-matmul kernel (:mod:`eqmoe.nn.megablox`): the ``T*k`` slots
+    sorted by expert, padded once to whole row tiles of ``config.tiles``, one kernel call per weight."""
+    tokens, top_k = routing.experts.shape
+    order, group_sizes, sorted_position = sorted_by_expert(routing.experts, experts.num_experts)
+    rows = x[order // top_k]
+    rows = jnp.pad(rows, ((0, megablox.padded_rows(rows.shape[0], config.tiles) - rows.shape[0]), (0, 0)))
+    product = lambda w, rows: w.grouped(rows, group_sizes, config.tiles)  # noqa: E731
+    out = experts.apply(rows, product, product)
+    slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
+    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
+
+
 def capacity(
     x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
@@ -202,11 +218,14 @@ class Backend(NamedTuple):
       over the ``tensor`` axis) and ``c`` bytes per compute-dtype element.
     - `check`: optional ``check(config)`` that ``MoEConfig.__post_init__`` runs when the backend is named
       there, raising ``ValueError`` for a config the backend cannot run.
+    - `platforms`: where the backend is fast enough for ``auto`` to time it (``None``: everywhere); elsewhere it
+      still runs when named (a TPU kernel in Pallas interpret mode, for checking).
     """
 
     run: Dispatch
     estimate: Estimate
     check: Callable[[MoEConfig], None] | None = None
+    platforms: tuple[str, ...] | None = None
 
 
 def _dense_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
@@ -224,6 +243,12 @@ def _sorted_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> flo
 def _ragged_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
     """The ``T*k`` sorted slots, no padding."""
     return float(c * config.router.top_k * (2 * d + 3 * f))
+
+
+def _grouped_matmul_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
+    """The ``T*k`` sorted slots padded to whole row tiles."""
+    slots = tokens * config.router.top_k
+    return float(c * megablox.padded_rows(slots, config.tiles) / tokens * (2 * d + 3 * f))
 
 
 def _capacity_bytes(config: MoEConfig, tokens: int, d: int, f: int, c: int) -> float:
@@ -249,16 +274,19 @@ BACKENDS.register("dense", Backend(dense, _dense_bytes))
 BACKENDS.register("sorted", Backend(sorted_blocks, _sorted_bytes))
 BACKENDS.register("ragged_dot", Backend(ragged, _ragged_bytes))
 BACKENDS.register("capacity", Backend(capacity, _capacity_bytes, check=_needs_capacity_factor))
+BACKENDS.register("gmm", Backend(grouped_matmul, _grouped_matmul_bytes, platforms=megablox.PLATFORMS))
 
 
 def backend_name(config: MoEConfig) -> str:
     """The registered backend ``config.dispatch`` names. ``"auto"`` is ``capacity`` for capacity routing,
-    otherwise ``sorted`` on CPU (where ``ragged_dot`` is emulated slowly) and ``ragged_dot`` on GPU and TPU."""
+    otherwise ``sorted`` on CPU (where ``ragged_dot`` is emulated slowly), ``gmm`` on TPU and ``ragged_dot`` on
+    GPU."""
     name = config.dispatch
     if name == "auto":
         if config.router.capacity_factor is not None:
             return "capacity"
-        return "sorted" if jax.default_backend() == "cpu" else "ragged_dot"
+        platform = jax.default_backend()
+        return {"cpu": "sorted", **dict.fromkeys(megablox.PLATFORMS, "gmm")}.get(platform, "ragged_dot")
     BACKENDS.get(name)  # an unregistered name raises, naming the allowed ones
     return name
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqmoe.nn._init import Init
@@ -74,7 +75,8 @@ class RoutedExperts(Layer):
     def apply(self, x: Array, into: Product, out_of: Product) -> Array:
         """The experts on ``x`` with a backend's products: ``into(w, x)`` for the input side (``gate``, ``up``),
         ``out_of(w, h)`` for the output side (``down``)."""
-        return out_of(self.down, self.activation(into(self.gate, x), into(self.up, x)))
+        gate, up = checkpoint_name(into(self.gate, x), "experts"), checkpoint_name(into(self.up, x), "experts")
+        return checkpoint_name(out_of(self.down, self.activation(gate, up)), "experts")  # kept by remat "dots"
 
     def fused(self) -> "FusedExpert":
         """One expert (a slice of the stack, taken inside a scan over experts) with ``gate`` and ``up`` as one

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqmoe.nn import fp8
+from eqmoe.nn import fp8, megablox
 from eqmoe.nn._init import Init
 from eqmoe.nn.fp8 import BlockFP8Weight
 from eqmoe.params import Layer, Role
@@ -259,6 +259,20 @@ class ExpertLinear(Linear):
         """Rows sorted by expert, the first ``group_sizes[0]`` rows expert 0's and so on
         (``jax.lax.ragged_dot``); rows past the last group give zeros."""
         y = jax.lax.ragged_dot(x, self.matrix(x.dtype), group_sizes)
+        if self.bias is not None:
+            y = y + _rows_of_groups(_cast(self.flat_bias(), y.dtype), group_sizes, x.shape[0])
+        if self.adapter is not None:
+            a, b = self._adapter(x.dtype)
+            y = y + jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, group_sizes), b, group_sizes)
+        return y
+
+    @_dequantized_in_backward
+    def grouped(
+        self, x: Float[Array, "rows fan_in"], group_sizes: Int[Array, " experts"], tiles: megablox.Tiles
+    ) -> Float[Array, "rows fan_out"]:
+        """:meth:`ragged`'s product by the TPU's grouped-matmul kernel in ``tiles`` (:mod:`eqmoe.nn.megablox`; the
+        rows a whole number of its row tiles); an adapter's rank-``r`` products stay ragged dots."""
+        y = megablox.gmm(x, self.matrix(x.dtype), group_sizes, tiles)
         if self.bias is not None:
             y = y + _rows_of_groups(_cast(self.flat_bias(), y.dtype), group_sizes, x.shape[0])
         if self.adapter is not None:

@@ -13,6 +13,26 @@ from eqmoe.nn.context import Context
 from eqmoe.nn.router import Routing
 from eqmoe.params import Layer
 
+# Outputs of kernels that are not XLA dots (Pallas, custom VJPs), named where they are made so that "dots" keeps them.
+KERNEL_OUTPUTS = ("attention", "experts")
+_checkpoint = jax.checkpoint_policies
+# What each ModelConfig.remat keeps for the backward pass (None: no rematerialisation; "auto" runs as "none" until the
+# training loop resolves it).
+REMAT_POLICIES = {
+    "none": None,
+    "auto": None,
+    "dots": _checkpoint.save_from_both_policies(
+        _checkpoint.dots_with_no_batch_dims_saveable, _checkpoint.save_only_these_names(*KERNEL_OUTPUTS)
+    ),
+    "offload": _checkpoint.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=KERNEL_OUTPUTS,
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
+    "block": _checkpoint.nothing_saveable,
+}
+
 
 def interleave_routings(per_position: tuple[Routing, ...]) -> Routing | None:
     """Routings of a unit's routed blocks, each ``[repeats, ...]``, in layer order ``[repeats * n, ...]``."""
@@ -54,7 +74,7 @@ class RepeatedUnit(Layer):
     blocks: tuple[Block, ...]
     repeats: int = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
 
     def __init__(self, segment: Segment, config: ModelConfig, *, key: PRNGKeyArray):
         def make_unit(unit_key):
@@ -64,7 +84,7 @@ class RepeatedUnit(Layer):
         self.blocks = eqx.filter_vmap(make_unit)(jax.random.split(key, segment.repeats))
         self.repeats = segment.repeats
         self.scan = config.scan_layers
-        self.remat = config.remat == "block"
+        self.remat = config.remat
 
     def __call__(
         self,
@@ -92,8 +112,9 @@ class RepeatedUnit(Layer):
                 new_cache.append(layer_cache)
             return x, (tuple(routings), None if unit_cache is None else tuple(new_cache))
 
-        if self.remat:
-            run_unit = jax.checkpoint(run_unit)
+        policy = REMAT_POLICIES.get(self.remat)
+        if policy is not None:
+            run_unit = jax.checkpoint(run_unit, policy=policy)
         if self.scan:
             x, (routings, cache) = jax.lax.scan(run_unit, x, (params, cache, keys))
         else:

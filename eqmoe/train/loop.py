@@ -25,7 +25,7 @@ from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.config_io import architecture_differences, config_to_dict, format_differences
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
-from eqmoe.train import run_folder
+from eqmoe.train import memory_fit, run_folder
 from eqmoe.train.logging import MetricsLog, Progress, plot_metrics
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
 from eqmoe.train.state import TrainState, abstract_state, hold_frozen, init_state
@@ -52,6 +52,7 @@ class RunOptions(OutputOptions, TrackerOptions):
             "tracker",
             "wandb_project",
             "peak_tflops",
+            "device_memory_gib",
         }
     )
 
@@ -78,8 +79,14 @@ class RunOptions(OutputOptions, TrackerOptions):
     seed: int = 0
     """Seed for the parameters, the built-in data and the data order."""
     peak_tflops: float | None = None
-    """Each device's peak TFLOP/s, against which the logged MFU is taken (default: this device's float32 matmul rate,
-    measured once at the first log line on 2048 x 2048 products: the achievable peak, not the datasheet's)."""
+    """Each device's peak TFLOP/s, against which the logged MFU is taken (default: the device's specified peak for the
+    run's dtype, :data:`eqmoe.flops.SPECIFIED_PEAKS`, e.g. 197 for a bf16 run on a TPU v5e; on a CPU its matmul rate in
+    that dtype, measured once at the first log line on 2048 x 2048 products)."""
+
+    device_memory_gib: float | None = None
+    """Memory one device has for a train step, GiB (default: what the device reports, e.g. 15.75 on a TPU v5e; a CPU
+    reports none, so there the step's fit is checked only when this is given). A step that does not fit stops before
+    the run writes anything, naming settings that fit; --remat auto picks the least recomputation that fits."""
 
     def check(self) -> None:
         """A ``ValueError`` naming the first option that is not a positive number."""
@@ -87,8 +94,10 @@ class RunOptions(OutputOptions, TrackerOptions):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value} is invalid; allowed: a positive number")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ValueError(f"--peak-tflops={self.peak_tflops} is invalid; allowed: a positive number")
+        for name in ("peak_tflops", "device_memory_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')}={value} is invalid; allowed: a positive number")
         if self.resume_from is not None and not self.resume:
             raise ValueError(f"--resume-from {self.resume_from}: goes with --resume")
         if self.resume and self.overwrite:
@@ -245,7 +254,8 @@ def _train(
     config, out_dir = model.config, options.out_dir
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=options.keep_checkpoints)
     try:
-        options.claim_out_dir()
+        if options.resume:
+            options.claim_out_dir()
         # the config as given (``auto`` included) is what checkpoints store; the model runs the chosen backends
         resolved = autotune.resolve(
             config,
@@ -269,6 +279,23 @@ def _train(
     if state is None:
         state = init_state(model, optimizer, key=key, parallelism=parallelism)
     del model
+    shard = (jax.process_index(), jax.process_count())
+    try:  # the step must fit the device before the run writes anything
+        rows = dataset.batch_at(_int(state.data_step), batch_size * options.grad_accum, options.seed, shard=shard)
+        state, train_step = memory_fit.fit(
+            state,
+            optimizer,
+            lambda: make_train_step(optimizer, schedule, trained, options.grad_accum),
+            device_batch(rows, parallelism),
+            stated_gib=options.device_memory_gib,
+            rows=batch_size,
+            grad_accum=options.grad_accum,
+        )
+        if not options.resume:
+            options.claim_out_dir()
+    except BaseException:
+        checkpointer.close()
+        raise
     start = _int(state.step)
     primary = jax.process_index() == 0
     resumed_at = start if latest is not None else None
@@ -298,7 +325,7 @@ def _train(
             trackers,
             checkpointer,
             parallelism,
-            make_train_step(optimizer, schedule, trained, options.grad_accum),
+            train_step,
             save=lambda state: _save(state, checkpointer, options, metadata.replace(config=config), trained),
         )
     finally:
@@ -334,8 +361,8 @@ def _log_eval(metrics: MetricsLog, trackers: Trackers, record: dict, out_dir: Pa
 
 class _Utilisation:
     """The logged compute rates: ``model_flops_per_token`` (:func:`eqmoe.flops.model_flops_per_token` at
-    the batch's row length), ``tflops_per_device`` and ``mfu`` (over ``peak_tflops``, or this device's measured
-    float32 matmul rate, measured once per process)."""
+    the batch's row length), ``tflops_per_device`` and ``mfu`` (over ``peak_tflops``, or the device's peak for the
+    run's dtype: specified, or on a CPU measured once per process)."""
 
     def __init__(self, config, peak_tflops: float | None):
         self.config, self.peak, self.flops = config, peak_tflops, {}
@@ -344,7 +371,7 @@ class _Utilisation:
         if seq not in self.flops:
             self.flops[seq] = flops.model_flops_per_token(self.config, seq)
         if self.peak is None:
-            self.peak = _measured_peak()
+            self.peak = _measured_peak(self.config.dtype)
         per_device = tokens_per_second * self.flops[seq] / jax.device_count() / 1e12
         return {
             "model_flops_per_token": self.flops[seq],
@@ -354,10 +381,11 @@ class _Utilisation:
 
 
 @functools.cache
-def _measured_peak() -> float:
-    # 2048^2 rather than bench_model's 4096^2: the same rate within a few percent on a 2-core CPU (274 vs 262
-    # GFLOP/s measured) in an eighth of the time, which every run pays
-    return flops.measure_peak_tflops(size=2048)
+def _measured_peak(dtype: str) -> float:
+    # the device's specified peak for the run's dtype (a TPU's bf16 rate for bf16 runs); on a CPU its matmul rate in
+    # that dtype at 2048^2 rather than bench_model's 4096^2: the same rate within a few percent on a 2-core CPU (274
+    # vs 262 GFLOP/s measured) in an eighth of the time, which every run pays
+    return flops.device_peak_tflops(dtype)[0]
 
 
 def _steps(

@@ -1,0 +1,136 @@
+"""A train step fits the device's memory before it runs, or the run stops in one line naming settings that fit.
+
+Before the first step the loop compiles the step it will run (the real state and the first batch) and reads XLA's
+memory analysis: the bytes the program holds at once are its arguments, its temporaries and the outputs that do not
+reuse an argument's buffer (``argument + temp + output - alias``). That is compared with the memory the device has
+(``memory_stats()["bytes_limit"]``, 15.75 GiB on a TPU v5e; a CPU reports none, so there only a stated
+``--device-memory-gib`` is checked). The compiled program is the one the loop then calls, so nothing is compiled
+twice.
+
+``remat="auto"`` compiles the step under each policy of :data:`eqmoe.config.REMATS` in order, least recomputation
+first, and keeps the first that fits. A step that fits under no setting asked for raises :class:`DoesNotFit`:
+what it needs, what the device has, and what would fit (another remat policy, or the same batch in smaller
+micro-batches with ``--grad-accum``: temporaries shrink with the micro-batch, arguments do not).
+"""
+
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+from eqmoe.config import REMATS
+from eqmoe.train.state import abstract_state
+
+GIB = 2**30
+HEADROOM = 0.97  # of the device's memory: what the runtime itself holds beside the program
+
+
+class DoesNotFit(ValueError):
+    """The step needs more memory than the device has (a one-line message: an expected failure, exit 2)."""
+
+
+class Need(NamedTuple):
+    """The bytes one compiled step holds at once, in XLA's terms."""
+
+    argument: float
+    temp: float
+    output: float
+    alias: float
+
+    @property
+    def total(self) -> float:
+        return self.argument + self.temp + self.output - self.alias
+
+    def with_micro_batches(self, parts: int) -> float:
+        """About what the step would hold with its batch split into ``parts`` micro-batches: the arguments and new
+        state stay, the temporaries (activations) shrink with the rows."""
+        return self.argument + self.output - self.alias + self.temp / parts
+
+
+def device_memory(stated_gib: float | None) -> float | None:
+    """Bytes a device has for a step: ``stated_gib``, else what the device reports (``None``: it reports none)."""
+    if stated_gib is not None:
+        return stated_gib * GIB
+    stats = jax.devices()[0].memory_stats()
+    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def compile_step(step, batch, state) -> tuple[Callable, Need]:
+    """``(the compiled step, what it holds)`` for these arguments."""
+    compiled = step.lower(batch, state).compile()
+    memory = compiled.compiled.memory_analysis()
+    need = Need(
+        float(memory.argument_size_in_bytes),
+        float(memory.temp_size_in_bytes),
+        float(memory.output_size_in_bytes),
+        float(memory.alias_size_in_bytes),
+    )
+    return compiled, need
+
+
+def under_remat(state, remat: str, optimizer):
+    """``state`` with its model run under ``remat``: the same arrays, the model's config (static, and repeated in the
+    optimizer state's tree) replaced throughout."""
+    model = state.model.with_config(state.model.config.replace(remat=remat))
+    target = abstract_state(lambda: model, optimizer, key=jax.random.key(0))
+    return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(state))
+
+
+def fit(
+    state, optimizer, make_step: Callable[[], Callable], batch, *, stated_gib: float | None, rows: int, grad_accum: int
+):
+    """``(state, step)``: the state under the remat policy the step runs with and the step to call, compiled for
+    ``batch`` when a memory limit is known (else the jitted step, as it is). ``rows``: the rows of one micro-batch
+    (``--batch-size``); ``grad_accum``: the micro-batches a step takes. Raises :class:`DoesNotFit`."""
+    limit = device_memory(stated_gib)
+    config = state.model.config
+    asked = config.remat
+    if limit is None:
+        if asked == "auto":
+            print(
+                "auto remat -> 'none' (the device reports no memory limit; --device-memory-gib states one)",
+                file=sys.stderr,
+            )
+        return state, make_step()
+    candidates = [r for r in REMATS if r != "auto"] if asked == "auto" else [asked]
+    needs = {}
+    for remat in candidates:
+        trial = under_remat(state, remat, optimizer)
+        step, need = compile_step(make_step(), batch, trial)
+        needs[remat] = need
+        if need.total <= HEADROOM * limit:
+            if asked == "auto":
+                tried = ", ".join(f"{name} {n.total / GIB:.2f} GiB" for name, n in needs.items())
+                print(
+                    f"auto remat -> {remat!r} (compiled step: {tried}; device {limit / GIB:.2f} GiB)", file=sys.stderr
+                )
+            return trial, step
+    raise DoesNotFit(_refusal(asked, needs, limit, state, optimizer, make_step, batch, rows, grad_accum))
+
+
+def _refusal(asked, needs, limit, state, optimizer, make_step, batch, rows, grad_accum) -> str:
+    """The one line: what the step needs, what the device has, what fits."""
+    need = needs[asked if asked != "auto" else "none"]
+    fits = []
+    if asked != "auto":  # the other policies, compiled (a cheaper one may fit where the one asked does not)
+        for remat in (r for r in REMATS if r not in ("auto", asked)):
+            needs[remat] = compile_step(make_step(), batch, under_remat(state, remat, optimizer))[1]
+            if needs[remat].total <= HEADROOM * limit:
+                fits.append(f"--remat {remat} ({needs[remat].total / GIB:.2f} GiB)")
+                break
+    leanest = min(needs, key=lambda name: needs[name].total)
+    for parts in (p for p in range(2, rows + 1) if rows % p == 0):
+        if needs[leanest].with_micro_batches(parts) <= HEADROOM * limit:
+            remat = "" if leanest == "none" else f"--remat {leanest} "
+            about = needs[leanest].with_micro_batches(parts) / GIB
+            fits.append(
+                f"{remat}--batch-size {rows // parts} --grad-accum {grad_accum * parts} (about {about:.2f} GiB)"
+            )
+            break
+    what = "nothing here: a smaller model or more devices" if not fits else " or ".join(fits)
+    policy = "under every remat policy" if asked == "auto" else f"with --remat {asked}"
+    return (
+        f"the train step needs {need.total / GIB:.2f} GiB {policy} (arguments {need.argument / GIB:.2f}, temporaries "
+        f"{need.temp / GIB:.2f}) but the device has {limit / GIB:.2f} GiB; fits: {what}"
+    )
