@@ -70,6 +70,8 @@ def config_from_dict(values: dict) -> ModelConfig:
         values = dict(values)
         moe = values.pop("moe", None)
         if moe is not None:
+            if isinstance(moe.get("tiles"), list):  # JSON keeps a tuple as a list
+                moe = {**moe, "tiles": tuple(moe["tiles"])}
             moe = MoEConfig(**{**moe, "router": RouterConfig(**moe["router"])})
         attention = dict(values.pop("attention"))
         if isinstance(attention.get("rope_scaling"), dict):

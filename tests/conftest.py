@@ -40,6 +40,13 @@ if _OWN_CACHE:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 
+def pytest_configure(config):
+    import jax
+
+    if jax.default_backend() == "tpu":  # a TPU multiplies float32 in bfloat16 passes unless asked for more
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controlling process made it
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -2,8 +2,7 @@
 
 ``gmm(x, w, group_sizes)`` multiplies the first ``group_sizes[0]`` rows of ``x`` by ``w[0]``, the next by ``w[1]``
 and so on, in tiles of ``(rows, in, out) = tiles``; its backward pass is the same kernel and its transposed form
-(``tgmm``). Rows past the last group are not computed (their values are undefined): callers read only the rows
-that hold tokens. The row count must be a whole number of row tiles, so callers pad the sorted rows once
+(``tgmm``). Rows past the last group are not computed by the kernel; :func:`gmm` returns zeros there. The row count must be a whole number of row tiles, so callers pad the sorted rows once
 (:func:`padded_rows`) and every product of the layer reuses that padding.
 
 Tiles decide the speed (measured on one v5e chip, 262,144 rows 1024 -> 256: (128, 128, 128) 110 ms, (1024, 256,
@@ -13,6 +12,7 @@ the kernel runs in Pallas interpret mode, for checking.
 """
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm as _megablox_gmm
 from jaxtyping import Array, Float, Int
 
@@ -55,4 +55,8 @@ def gmm(
     if x.shape[0] % tiling[0]:
         raise ValueError(f"gmm: {x.shape[0]} rows are not whole tiles of {tiling[0]} (pad them with padded_rows)")
     interpret = jax.default_backend() not in PLATFORMS
-    return _megablox_gmm(x, w.astype(x.dtype), group_sizes, x.dtype, tiling, interpret=interpret)
+    y = _megablox_gmm(x, w.astype(x.dtype), group_sizes, x.dtype, tiling, interpret=interpret)
+    # the kernel leaves rows past the last group unwritten (any bits, NaN among them): zeros, so that no product
+    # downstream (an adapter's ragged dot, a gradient) meets them; one select, fused with what reads y
+    inside = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+    return jnp.where(inside, y, 0)

@@ -65,13 +65,14 @@ def _kernel(heads: int, seq: int, window: int | None, block: int, interpret: boo
         block_q_dq=block,
         block_kv_dq=block,
     )
-    return kernel_lib.make_splash_mha(
-        mask_lib.MultiHeadMask([head_mask] * heads),
-        block_sizes=sizes,
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=interpret,
-    )
+    with jax.ensure_compile_time_eval():  # its mask arrays are constants: cached, they must not be a trace's tracers
+        return kernel_lib.make_splash_mha(
+            mask_lib.MultiHeadMask([head_mask] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
 
 
 def splash_attention(

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, the TPU bench rows,
+# the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. About 10 minutes
+# on one v5e chip once the wheels are there.
+#
+#     bash experiments/tpu_check.sh                   # every part
+#     bash experiments/tpu_check.sh tests bench       # some parts: install tests bench quickstart fit plan
+#
+# A machine without internet installs from wheels in .whl/ (and its own package index where pip is pointed at one:
+# PIP_INDEX_URL; TPU_CHECK_TORCH=0 leaves out torch, which only the parity tests' reference needs); the machine's JAX
+# stays first on the path. TPU_CHECK_BENCH_FLAGS adds flags to bench_tpu (e.g. --rows mixtral qwen3). Logs, JSON and the table go under $OUT when it is set,
+# else under a new temporary folder named at the end. One program holds the chip at a time, so everything runs in
+# turn and the tests in one process.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python=${PYTHON:-python3}
+out=${OUT:-$(mktemp -d -t tpu_check.XXXXXX)}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+parts=${*:-install tests bench quickstart fit plan}
+declare -a table=()
+wants() { [[ " $parts " == *" $1 "* ]]; }
+row() { table+=("| $1 | $2 | $3 |"); }
+timed() { # name, command...: run it, log it, remember its status and seconds
+    local name=$1 started=$SECONDS status
+    shift
+    "$@" >"$out/$name.log" 2>&1
+    status=$?
+    echo "$name: exit $status in $((SECONDS - started)) s (log: $out/$name.log)" >&2
+    return $status
+}
+
+if wants install; then
+    site=${EQMOE_SITE:-/tmp/eqmoe-site}
+    # every dependency but JAX itself (the machine's TPU build stays), from the wheels here or the package index
+    deps=$("$python" - <<'EOF'
+import re
+import tomllib
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+skip = {"jax", "torch", "wandb", "nbclient", "nbformat", "ipykernel", "datasets", "tensorboard", "ruff", "peft"}
+wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+print(" ".join(d.replace(" ", "") for d in wanted if re.split("[<>=!~;]", d)[0].strip() not in skip))
+EOF
+)
+    links=(--find-links .whl)
+    [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
+    [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
+    # shellcheck disable=SC2086  # $deps is a list of requirements
+    timed install "$python" -m pip install -q --no-compile --only-binary=:all: --target "$site" "${links[@]}" $deps
+    row install "exit $?" "$(tail -1 "$out/install.log")"
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-}:$PWD
+
+backend=$("$python" -c 'import jax; d = jax.devices()[0]; print(jax.default_backend(), "|", d.device_kind)')
+echo "tpu_check: $backend" >&2
+
+if wants tests; then  # the kernels on the chip, then the parity tests with the chip's kernels chosen by auto's rule
+    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -q -m "not slow" tests/test_tpu_kernels.py \
+        tests/test_attention.py tests/test_stack_and_dispatch.py tests/test_qwen3_parity.py tests/test_mixtral.py \
+        tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py
+    row "kernel and parity tests" "exit $?" "$(tail -1 "$out/tests.log")"
+fi
+
+if wants bench; then
+    # shellcheck disable=SC2086  # extra flags, e.g. --rows mixtral qwen3
+    timed bench "$python" -m experiments.bench_tpu --json "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:-}
+    row "bench_tpu" "exit $?" "see below"
+fi
+
+if wants quickstart; then
+    started=$SECONDS
+    timed quickstart "$python" -m experiments.sft --out-dir "$out/sft" --overwrite
+    status=$?
+    accuracy=$("$python" -c "import json; print(json.load(open('$out/sft/summary.json'))['eval_accuracy'])" 2>/dev/null)
+    row "quickstart (sft)" "exit $status" "$((SECONDS - started)) s, held-out exact match ${accuracy:-?}"
+fi
+
+if wants fit; then  # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 1024: 36 GiB without remat
+    fit=(--dtype bfloat16 --steps 4 --log-every 2 --eval-every 1000 --seq-len 2048 --batch-size 16
+        --override embed_dim=1024 'layers=["moe","moe","moe","moe","moe","moe","moe","moe"]' moe.router.num_experts=64
+        moe.router.top_k=8 moe.expert_dim=256 attention.num_heads=16 attention.num_kv_heads=4 attention.head_dim=64)
+    timed fit_refused "$python" -m experiments.pretrain "${fit[@]}" --out-dir "$out/fit_refused"
+    status=$?
+    written=$([ -e "$out/fit_refused" ] && echo "run folder written" || echo "no run folder")
+    row "step that does not fit" "exit $status" "$(tail -1 "$out/fit_refused.log" | cut -c1-300); $written"
+    timed fit_auto "$python" -m experiments.pretrain "${fit[@]}" --remat auto --out-dir "$out/fit_auto"
+    row "same step, --remat auto" "exit $?" "$(grep -h 'auto remat' "$out/fit_auto.log" | cut -c1-200); $(grep -h 'MFU' "$out/fit_auto.log" | tail -1)"
+fi
+
+if wants plan; then  # the analytic memory against the chip's compiled memory, single device
+    for preset in qwen3-moe-tiny envy-test deepseek-v3-micro; do
+        timed "plan_$preset" "$python" -m experiments.plan --preset "$preset" --batch-size 16 --seq-len 1024 \
+            --dtype bfloat16 --remats none block --json
+        row "plan $preset" "exit $?" "$("$python" - "$out/plan_$preset.log" <<'EOF'
+import json, sys
+text = open(sys.argv[1]).read()
+rows = json.loads(text[text.index("["):text.rindex("]") + 1])
+print("; ".join(
+    f"{r['remat']}: analytic {(r['analytic']['argument'] + r['analytic']['temp']) / 2**30:.3f} GiB, "
+    f"compiled {(r['compiled']['argument'] + r['compiled']['temp']) / 2**30:.3f} GiB "
+    f"({(r['analytic']['argument'] + r['analytic']['temp']) / (r['compiled']['argument'] + r['compiled']['temp']):.2f}x)"
+    for r in rows))
+EOF
+)"
+    done
+fi
+
+{
+    echo "## tpu_check on $backend"
+    echo
+    echo "| part | status | result |"
+    echo "|---|---|---|"
+    printf '%s\n' "${table[@]}"
+    if [ -f "$out/bench_tpu.log" ]; then
+        echo
+        echo '```'
+        grep -v "^auto \|^==\|^  gmm tiles" "$out/bench_tpu.log"
+        echo '```'
+    fi
+} | tee "$out/tpu_check.md"
+echo "tpu_check: logs and results in $out" >&2
