@@ -165,7 +165,8 @@ def test_gmm_dispatch_equals_dense_in_outputs_and_gradients():
 
 
 def test_tiles_shrink_to_the_dimensions_they_cut():
-    assert megablox._fit(768, 1024) == 768 and megablox._fit(3584, 1024) == 896 and megablox._fit(288, 256) == 256
+    assert megablox._fit(768, 1024) == 768 and megablox._fit(3584, 1024) == 896 and megablox._fit(288, 1024) == 256
+    assert megablox._fit(64, 128) == 64
     assert megablox.row_tile(400, (512, 1024, 1024)) == 512 and megablox.padded_rows(400, (512, 1024, 1024)) == 512
     assert megablox.row_tile(100, (512, 1024, 1024)) == 128
     assert megablox.padded_rows(300, (128, 128, 128)) == 384
@@ -184,9 +185,8 @@ def test_auto_times_the_kernels_at_each_tiling_on_a_tpu_and_records_the_tiling(m
     assert dispatch.eligible(labels[-1], labels) is None
     attention = autotune._AttentionWorkload(config, 2, 1024, True)
     assert [label for label in attention.candidates() if label.startswith("splash")] == [
-        "splash[512]",
         "splash[1024]",
-        "splash[256]",
+        "splash[512]",
     ]
     measurement = dispatch.measurement("gmm[1024,256,256]", "measured")
     assert measurement.choices() == {"moe.dispatch": "gmm", "moe.tiles": "1024,256,256"}

@@ -7,7 +7,7 @@ and so on, in tiles of ``(rows, in, out) = tiles``; its backward pass is the sam
 
 Tiles decide the speed (measured on one v5e chip, 262,144 rows 1024 -> 256: (128, 128, 128) 110 ms, (1024, 256,
 256) 17 ms), so ``auto`` measures a few on the run's shapes (:mod:`eqmoe.autotune`). A tile larger than its
-dimension shrinks to it; one that does not divide it shrinks to the largest multiple of 128 that does. Off the TPU
+dimension, or one that does not divide it, shrinks (:func:`_fit`). Off the TPU
 the kernel runs in Pallas interpret mode, for checking.
 """
 
@@ -22,14 +22,16 @@ LANE = 128
 
 
 def _fit(dim: int, tile: int) -> int:
-    """``tile`` for a dimension of ``dim``: the whole dimension when smaller, else the largest multiple of 128 up to
-    ``tile`` that divides it (``tile`` itself when none does: the kernel masks the ragged last tile)."""
-    if dim <= tile:
+    """``tile`` for a dimension of ``dim``: a multiple of 128 (Mosaic's lanes; the whole dimension only below 128), the
+    largest up to ``tile`` and ``dim`` that divides ``dim``, else the largest up to both (the kernel masks the ragged
+    last tile: 288 = 256 + 32)."""
+    if dim <= LANE:
         return dim
-    for size in range(tile - tile % LANE, LANE - 1, -LANE):
+    top = min(tile, dim) // LANE * LANE
+    for size in range(top, LANE - 1, -LANE):
         if dim % size == 0:
             return size
-    return tile
+    return top
 
 
 def row_tile(rows: int, tiles: Tiles) -> int:

@@ -13,6 +13,7 @@ what it needs, what the device has, and what would fit (another remat policy, or
 micro-batches with ``--grad-accum``: temporaries shrink with the micro-batch, arguments do not).
 """
 
+import re
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -56,9 +57,19 @@ def device_memory(stated_gib: float | None) -> float | None:
     return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def compile_step(step, batch, state) -> tuple[Callable, Need]:
-    """``(the compiled step, what it holds)`` for these arguments."""
-    compiled = step.lower(batch, state).compile()
+def compile_step(step, batch, state) -> tuple[Callable | None, Need]:
+    """``(the compiled step, what it holds)`` for these arguments. A compiler that refuses a program larger than the
+    device (XLA:TPU's ``RESOURCE_EXHAUSTED ... HLO temporaries (35.83G) exceeds available HBM``) gives no program and
+    the temporaries it named beside the arguments' own bytes."""
+    try:
+        compiled = step.lower(batch, state).compile()
+    except jax.errors.JaxRuntimeError as error:
+        temporaries = re.search(r"temporaries \(([\d.]+)([KMGT])\)", str(error))
+        if "RESOURCE_EXHAUSTED" not in str(error) or temporaries is None:
+            raise
+        scale = 2 ** (10 * "KMGT".index(temporaries.group(2)) + 10)
+        argument = sum(x.nbytes for x in jax.tree.leaves((batch, state)) if hasattr(x, "nbytes"))
+        return None, Need(float(argument), float(temporaries.group(1)) * scale, 0.0, 0.0)
     memory = compiled.compiled.memory_analysis()
     need = Need(
         float(memory.argument_size_in_bytes),
@@ -92,6 +103,7 @@ def fit(
                 "auto remat -> 'none' (the device reports no memory limit; --device-memory-gib states one)",
                 file=sys.stderr,
             )
+            state = under_remat(state, "none", optimizer)
         return state, make_step()
     candidates = [r for r in REMATS if r != "auto"] if asked == "auto" else [asked]
     needs = {}
@@ -99,7 +111,7 @@ def fit(
         trial = under_remat(state, remat, optimizer)
         step, need = compile_step(make_step(), batch, trial)
         needs[remat] = need
-        if need.total <= HEADROOM * limit:
+        if step is not None and need.total <= HEADROOM * limit:
             if asked == "auto":
                 tried = ", ".join(f"{name} {n.total / GIB:.2f} GiB" for name, n in needs.items())
                 print(
