@@ -32,7 +32,6 @@ timed() { # name, command...: run it, log it, remember its status and seconds
 }
 
 if wants install; then
-    site=${EQMOE_SITE:-/tmp/eqmoe-site}
     # every dependency but JAX itself (the machine's TPU build stays), from the wheels here or the package index
     deps=$("$python" - <<'EOF'
 import re
@@ -48,19 +47,21 @@ EOF
     [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
     [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
     # shellcheck disable=SC2086  # $deps is a list of requirements
-    timed install "$python" -m pip install -q --no-compile --only-binary=:all: --target "$site" "${links[@]}" $deps
+    timed install "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "${EQMOE_SITE:-/tmp/eqmoe-site}" "${links[@]}" $deps
     row install "exit $?" "$(tail -1 "$out/install.log")"
-    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site:$PWD
 fi
+site=${EQMOE_SITE:-/tmp/eqmoe-site}
+[ -d "$site" ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site  # after the machine's own JAX
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 
 backend=$("$python" -c 'import jax; d = jax.devices()[0]; print(jax.default_backend(), "|", d.device_kind)')
 echo "tpu_check: $backend" >&2
 
 if wants tests; then  # the kernels on the chip, then the parity tests with the chip's kernels chosen by auto's rule
-    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -q -m "not slow" tests/test_tpu_kernels.py \
+    # shellcheck disable=SC2086  # TPU_CHECK_TESTS: a list of test files
+    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -q --tb=short -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
         tests/test_attention.py tests/test_stack_and_dispatch.py tests/test_qwen3_parity.py tests/test_mixtral.py \
-        tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py
+        tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py}
     row "kernel and parity tests" "exit $?" "$(tail -1 "$out/tests.log")"
 fi
 
