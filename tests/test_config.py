@@ -154,7 +154,7 @@ _CHOICES = [
     (_model, "ModelConfig", "tied_logit_scale", "sqrt", ("none", "rsqrt_embed")),
     (_model, "ModelConfig", "dtype", "int8", ("float32", "bfloat16", "float16")),
     (_model, "ModelConfig", "param_dtype", "float64", ("float32", "bfloat16", "float16")),
-    (_model, "ModelConfig", "remat", "full", ("none", "block")),
+    (_model, "ModelConfig", "remat", "full", ("none", "dots", "offload", "block", "auto")),
 ]
 _CHOICE_IDS = [f"{owner}.{field}" for _, owner, field, _, _ in _CHOICES]
 
@@ -187,7 +187,7 @@ _REGISTERED = [
         "MoEConfig",
         "dispatch",
         "megablox",
-        ("dense", "sorted", "ragged_dot", "capacity", "auto"),
+        ("dense", "sorted", "ragged_dot", "capacity", "gmm", "auto"),
     ),
     (
         lambda: _model(norm=NormConfig(ffn_placement="sandwich")),
@@ -201,7 +201,7 @@ _REGISTERED = [
         "AttentionConfig",
         "backend",
         "flash3",
-        ("blockwise", "dense", "cudnn", "auto"),
+        ("blockwise", "dense", "cudnn", "splash", "auto"),
     ),
     (
         lambda: _model(moe=_moe(router=_router(strategy="sigmoid"))),

@@ -171,7 +171,7 @@ def test_an_unregistered_backend_is_refused_where_backends_are_looked_up():
     with pytest.raises(ValueError) as excinfo:
         check_names(unregistered)
     assert str(excinfo.value) == (
-        "MoEConfig.dispatch='dense_again' is invalid; allowed: dense | sorted | ragged_dot | capacity | auto"
+        "MoEConfig.dispatch='dense_again' is invalid; allowed: dense | sorted | ragged_dot | capacity | gmm | auto"
     )
     with pytest.raises(ValueError, match="MoEConfig.dispatch='dense_again' is invalid"):
         Transformer(unregistered, key=jax.random.key(0))
@@ -205,12 +205,12 @@ def test_load_balance_forms_are_registered_reported_and_trained():
 
 
 def test_attention_backends_and_norm_placements_come_from_their_registries():
-    assert attention_backends.BACKENDS.names() == ("blockwise", "dense", "cudnn")
+    assert attention_backends.BACKENDS.names() == ("blockwise", "dense", "cudnn", "splash")
     base = presets.get("qwen3-moe-micro")
     with pytest.raises(ValueError) as excinfo:
         check_names(base.replace(attention=AttentionConfig(4, 2, 8, backend="flash3")))
     assert (
-        str(excinfo.value) == "AttentionConfig.backend='flash3' is invalid; allowed: blockwise | dense | cudnn | auto"
+        str(excinfo.value) == "AttentionConfig.backend='flash3' is invalid; allowed: blockwise | dense | cudnn | splash | auto"
     )
     assert block.PLACEMENTS.names() == ("pre", "post", "hybrid")
     with pytest.raises(ValueError) as excinfo:

@@ -62,10 +62,13 @@ def test_splash_equals_dense_with_documents_padding_groups_and_a_value_width_of_
     sinks = jax.random.normal(key, (2, 2)) if with_sinks else None
     out, grads = _values_and_grads(splash.splash_attention, q, k, v, mask, window, sinks)
     ref_out, ref_grads = _values_and_grads(dense_attention, q, k, v, mask, window, sinks)
-    np.testing.assert_allclose(out, ref_out, atol=2e-5)
+    # interpret mode on a CPU: float32 throughout. On a TPU the kernel's float32 products at "highest" precision
+    # still differed from dense by up to 1.1e-4 in 2 of 65,536 outputs (one v5e chip).
+    atol = (5e-4, 2e-3) if jax.default_backend() == "tpu" else (2e-5, 1e-4)
+    np.testing.assert_allclose(out, ref_out, atol=atol[0])
     assert np.all(np.asarray(out[0, :, :, 250:]) == 0)  # padded queries see no key: output 0, as dense gives
     for grad, ref in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(grad, ref, atol=1e-4)
+        np.testing.assert_allclose(grad, ref, atol=atol[1])
 
 
 def test_splash_refuses_in_one_line_what_the_kernel_cannot_compute():
