@@ -15,9 +15,9 @@ and ``stop_ids`` are the ids generation stops on besides the template's end of t
 ``<|endoftext|>`` (257), ``<|im_start|>`` (258) and ``<|im_end|>`` (259); ``vocab_size`` is 260. Its
 template is the built-in ChatML.
 
-This module finds and loads a tokenizer; the kinds live in :mod:`eqmoe.data.tokenizers` (``base``: the protocol;
-``byte``; ``hf``: both folder kinds; ``tiktoken_model``: reading a ``tiktoken.model``), their names importable from
-here too.
+This module finds and loads a tokenizer and checks that it fits a model's vocabulary; the kinds live in
+:mod:`eqmoe.data.tokenizers` (``base``: the protocol; ``byte``; ``hf``: both folder kinds; ``tiktoken_model``:
+reading a ``tiktoken.model``), their names importable from here too.
 """
 
 from collections.abc import Mapping
@@ -45,6 +45,7 @@ __all__ = [
     "HFTokenizer",
     "TiktokenTokenizer",
     "Tokenizer",
+    "check_tokenizer_fits",
     "load_tokenizer",
     "read_tiktoken",
     "tokenizer_file",
@@ -112,3 +113,14 @@ def tokenizer_vocab_size(path: str | Path) -> int:
     if path.name == TIKTOKEN_FILE:
         return read_tiktoken(path, read_json(path.parent / "tokenizer_config.json")).n_vocab
     return read_tokenizer_json(path).get_vocab_size(with_added_tokens=True)
+
+
+def check_tokenizer_fits(
+    tokenizer_ids: int, vocab_size: int, where: str | Path | None = None, *, error: type[Exception] = ValueError
+) -> None:
+    """Refuse a tokenizer with more ids than the model's vocabulary of ``vocab_size``: ``error`` (a ``ValueError`` by
+    default) in one line, after ``where`` (the tokenizer's file) when given. A vocabulary padded beyond the tokenizer
+    (Qwen pads to a multiple of 128) is fine."""
+    if tokenizer_ids > vocab_size:
+        prefix = "" if where is None else f"{where}: "
+        raise error(f"{prefix}the tokenizer has {tokenizer_ids} ids but the model's vocabulary has {vocab_size}")
