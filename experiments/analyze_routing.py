@@ -10,7 +10,7 @@ The model comes from ``--checkpoint`` (an eqmoe checkpoint, or a training run's 
 ``{"text", "domain"}``; every document is used) or, by default, the held-out split of the built-in
 multi-domain corpus ``experiments.pretrain`` trains on (``eqmoe.data.corpus``). Documents are packed as
 pretraining packs them and ``--tokens`` worth of rows, drawn in a seeded random order so every domain is
-represented, are run through the model while :class:`eqmoe.analysis.routing_maps.RoutingRecorder` records
+represented, are run through the model while :class:`eqmoe.analysis.routing_records.RoutingRecorder` records
 every token's top-k experts and weights in every MoE layer.
 
 The tokenizer is ``--tokenizer``, else the model folder's ``tokenizer.json`` or ``tiktoken.model``, else the one a
