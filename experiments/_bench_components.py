@@ -272,18 +272,14 @@ def linear_scaling(name: str, shape: Shape, model, lengths: tuple[int, ...], rep
     return entries
 
 
-def linear_scaling_table(entries: list[dict]) -> str:
-    cells = [
-        [e["shape"], str(e["layer"]), f"{e['batch']}x{e['seq']}", f"{e['eqmoe_ms']:.1f}", f"{e['us_per_token']:.2f}"]
-        + [f"{e['per_token_over_first']:.2f}", f"{e['temp_bytes'] / 2**20:,.1f}", f"{e['temp_bytes_per_token']:,.0f}"]
-        + [f"{e['temp_per_token_over_first']:.2f}"]
-        for e in entries
-    ]
-    header = ["shape", "layer", "tokens", "fwd+bwd ms", "us/token", "vs first", "temp MiB", "temp B/token", "vs first"]
-    return markdown_table(header, cells)
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+def sliding_over_full(name: str, shape: Shape, entries: list[dict]) -> list[dict]:
+    """A sliding layer's attention time over a full layer's, each side and pass, where the breakdown timed both."""
+    timed = {(entry["component"], entry["pass"]): entry for entry in entries}
+    if ("attention_sliding", "forward") not in timed:
+        return []
+    ratio = {"shape": name, "window": shape.window, "batch": shape.batch, "seq": shape.seq}
+    for side in ("eqmoe", "hf"):
+        for pass_name in ("forward", "fwd+bwd"):
+            sliding, full = timed["attention_sliding", pass_name], timed["attention_full", pass_name]
+            ratio[f"{side}_{pass_name}"] = sliding[f"{side}_ms"] / full[f"{side}_ms"]
+    return [ratio]

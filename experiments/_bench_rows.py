@@ -1,5 +1,6 @@
-"""The rows ``bench_model`` times: each a model shape and batch (:data:`SHAPES`), built as a random transformers
-model and the same weights loaded into eqmoe (:func:`build_models`)."""
+"""The rows ``bench_model`` times: each a model shape and batch (:data:`SHAPES`), named with or without its pass
+(:func:`row_and_pass`), checked after the command line's overrides (:func:`check_latent_and_groups`), built as a random
+transformers model and the same weights loaded into eqmoe (:func:`build_models`)."""
 
 import dataclasses
 import tempfile
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+from experiments._cli import UsageError
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,39 @@ SHAPES = {
 }
 DEFAULT_ROWS = ("small", "wide", "long", "fine", "deepseek")  # gpt-oss's 12 minutes and qwen3-next run when asked for
 PASSES = ("forward", "train")
+
+
+def row_and_pass(entry: str) -> tuple[str, str]:
+    """``NAME`` -> ``(NAME, "")``, ``NAME-PASS`` -> ``(NAME, PASS)``; a row's name may hold a dash (gpt-oss)."""
+    name, _, pass_name = entry.rpartition("-")
+    if entry in SHAPES or pass_name not in PASSES:
+        return entry, ""
+    return name, pass_name
+
+
+def check_latent_and_groups(name: str, shape: Shape) -> None:
+    """What a DeepSeek-V3 row's overrides must keep: a key/value head per query head (its attention expands the
+    latent per head) and experts that split into the row's groups, enough of them kept to choose ``top_k``."""
+    if shape.latent is not None and shape.kv_heads != shape.heads:
+        raise UsageError(
+            f"--kv-heads={shape.kv_heads} is invalid for --shape {name}: its latent attention has one key/value head "
+            f"per query head; allowed: {shape.heads} (--heads)"
+        )
+    if shape.groups is not None:
+        groups, kept = shape.groups
+        if shape.experts % groups or shape.top_k > kept * (shape.experts // groups):
+            raise UsageError(
+                f"--experts={shape.experts} --top-k={shape.top_k} is invalid for --shape {name}: its experts split "
+                f"into {groups} equal groups and a token chooses among {kept} of them; allowed: a multiple of {groups} "
+                f"experts, top-k at most {kept} groups' experts"
+            )
+
+
+def expert_matmul_shape(shape: Shape) -> tuple[int, int, int]:
+    """``(rows, inner, cols)`` of a routed expert's first product on the row's batch: the mean rows an expert is
+    routed, the model's width, its gate and up projections together (both frameworks multiply them as one)."""
+    rows = max(1, shape.batch * shape.seq * shape.top_k // shape.experts)
+    return rows, shape.embed, 2 * shape.expert_dim
 
 
 def build_models(shape: Shape, seed: int):

@@ -10,7 +10,7 @@ The model comes from ``--checkpoint`` (an eqmoe checkpoint, or a training run's 
 ``{"text", "domain"}``; every document is used) or, by default, the held-out split of the built-in
 multi-domain corpus ``experiments.pretrain`` trains on (``eqmoe.data.corpus``). Documents are packed as
 pretraining packs them and ``--tokens`` worth of rows, drawn in a seeded random order so every domain is
-represented, are run through the model while :class:`eqmoe.analysis.routing_maps.RoutingRecorder` records
+represented, are run through the model while :class:`eqmoe.analysis.routing_records.RoutingRecorder` records
 every token's top-k experts and weights in every MoE layer.
 
 The tokenizer is ``--tokenizer``, else the model folder's ``tokenizer.json`` or ``tiktoken.model``, else the one a
@@ -37,6 +37,7 @@ from eqmoe.analysis.routing import max_violation
 from eqmoe.checkpoints.source import load_source, source_tokenizer
 from eqmoe.data.corpus import EVAL_CHARS_PER_DOMAIN, load_documents, pack_documents, synthetic_documents
 from eqmoe.data.packing import PackedRows
+from eqmoe.data.tokenizer import check_tokenizer_fits
 from eqmoe.model import Transformer
 from eqmoe.train.logging import save_figure, write_json_atomic
 from eqmoe.train.loop import OutputOptions
@@ -316,10 +317,7 @@ def run(args: Args) -> dict:
     )
     model, folder = source.model, source.folder
     tokenizer = source_tokenizer(source, args.tokenizer, chat=False, bytes_if_none=True)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary has {model.config.vocab_size}"
-        )
+    check_tokenizer_fits(tokenizer.vocab_size, model.config.vocab_size)
     rows, labels, domains, note = packed_rows(args, tokenizer)
     records = record(model, rows, labels, args.batch_size)
     results = analyze(records, len(domains), args)

@@ -16,7 +16,7 @@ Qwen3-Next's gated delta rule and convolution on transformers' torch path), save
 ``eqmoe.checkpoints.hf.load``; the max |logit difference| on the batch must be below ``--logit-tolerance`` before
 anything is timed. With ``--dtype bfloat16`` both forward passes hold their weights in bfloat16, and both train steps
 keep float32 weights and optimizer state and compute in bfloat16 (eqmoe's compute dtype, torch's ``autocast``).
-Where JAX runs on a GPU, torch runs on it too. Passes:
+Where JAX runs on a GPU, torch runs on it too. Passes (:mod:`experiments._bench_passes`):
 
 - ``forward``: the logits of the batch (torch under ``inference_mode``; eqmoe jitted, as ``batch_loss``
   calls the model: one packed segment, all tokens real).
@@ -55,27 +55,28 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tyro
 
 from eqmoe import autotune, flops
-from experiments._bench_components import (
-    components,
-    eqmoe_backends,
-    linear_scaling,
-    linear_scaling_table,
-    markdown_table,
-    time_component,
-)
+from experiments._bench_components import components, eqmoe_backends, linear_scaling, sliding_over_full, time_component
 from experiments._bench_device import SETTLE_S, interleaved, matmul_peak_gflops, matmul_rates_gflops, torch_device
-from experiments._bench_rows import DEFAULT_ROWS, PASSES, SHAPES, Shape, build_models, positions
+from experiments._bench_passes import eqmoe_batch, eqmoe_logits, eqmoe_train, hf_train
+from experiments._bench_rows import (
+    DEFAULT_ROWS,
+    PASSES,
+    SHAPES,
+    Shape,
+    build_models,
+    check_latent_and_groups,
+    expert_matmul_shape,
+    row_and_pass,
+)
+from experiments._bench_tables import kernel_rates, print_tables
 from experiments._cli import UsageError, guarded
 from experiments.options import DispatchOption, DtypeOption, JsonFileOptions
 
@@ -134,7 +135,7 @@ def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
     overrides = {name: value for name, value in given.items() if value is not None}
     rows: dict[str, list[str]] = {}
     for entry in args.shape or DEFAULT_ROWS:
-        name, pass_name = _row_and_pass(entry)
+        name, pass_name = row_and_pass(entry)
         if name not in SHAPES:
             allowed = ", ".join([*SHAPES, *(f"{s}-{p}" for s in SHAPES for p in PASSES)])
             raise UsageError(f"--shape {entry} is unknown; allowed: {allowed}")
@@ -147,34 +148,8 @@ def selected_rows(args: Args) -> list[tuple[str, Shape, tuple[str, ...]]]:
         for name, passes in rows.items()
     ]
     for name, shape, _ in selected:
-        _check_latent_and_groups(name, shape)
+        check_latent_and_groups(name, shape)
     return selected
-
-
-def _check_latent_and_groups(name: str, shape: Shape) -> None:
-    """What a DeepSeek-V3 row's overrides must keep: a key/value head per query head (its attention expands the
-    latent per head) and experts that split into the row's groups, enough of them kept to choose ``top_k``."""
-    if shape.latent is not None and shape.kv_heads != shape.heads:
-        raise UsageError(
-            f"--kv-heads={shape.kv_heads} is invalid for --shape {name}: its latent attention has one key/value head "
-            f"per query head; allowed: {shape.heads} (--heads)"
-        )
-    if shape.groups is not None:
-        groups, kept = shape.groups
-        if shape.experts % groups or shape.top_k > kept * (shape.experts // groups):
-            raise UsageError(
-                f"--experts={shape.experts} --top-k={shape.top_k} is invalid for --shape {name}: its experts split "
-                f"into {groups} equal groups and a token chooses among {kept} of them; allowed: a multiple of {groups} "
-                f"experts, top-k at most {kept} groups' experts"
-            )
-
-
-def _row_and_pass(entry: str) -> tuple[str, str]:
-    """``NAME`` -> ``(NAME, "")``, ``NAME-PASS`` -> ``(NAME, PASS)``; a row's name may hold a dash (gpt-oss)."""
-    name, _, pass_name = entry.rpartition("-")
-    if entry in SHAPES or pass_name not in PASSES:
-        return entry, ""
-    return name, pass_name
 
 
 def machine() -> dict:
@@ -194,97 +169,6 @@ def machine() -> dict:
         "transformers": transformers.__version__,
         "load_average_at_start": os.getloadavg(),
     }
-
-
-# --- timing ------------------------------------------------------------------------------------------
-
-
-# --- the two models' passes ----------------------------------------------------------------------------
-
-
-def _copy_arrays(tree):
-    """``tree`` with fresh buffers (the train step donates its state; the forward pass keeps the original)."""
-    return jax.tree.map(lambda leaf: jnp.asarray(np.array(leaf)) if eqx.is_array(leaf) else leaf, tree)
-
-
-def _eqmoe_batch(ids: np.ndarray):
-    """The train step's ``Batch``: one segment per row (id 1; 0 is padding), positions 0.., every target."""
-    from eqmoe.train.step import Batch
-
-    return Batch(
-        tokens=jnp.asarray(ids.astype(np.int32)),
-        segment_ids=jnp.asarray(np.ones(ids.shape, np.int32)),
-        positions=jnp.asarray(positions(*ids.shape)),
-        target_mask=jnp.asarray(np.ones(ids.shape, bool)),
-    )
-
-
-@eqx.filter_jit
-def _eqmoe_logits(model, batch):
-    """The logits as ``eqmoe.train.step.batch_loss`` computes them."""
-    mask = batch.segment_ids != 0
-    return model(batch.tokens, segment_ids=batch.segment_ids, positions=batch.positions, token_mask=mask).logits
-
-
-def _eqmoe_train(model, batch, seed: int) -> Callable[[], Any]:
-    """One call of the project's jitted train step per call; the donated state is carried between calls."""
-    from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
-    from eqmoe.train.state import init_state
-    from eqmoe.train.step import make_train_step
-
-    model = _copy_arrays(model)
-    optimizer, schedule = make_optimizer(
-        OptimizerConfig(warmup_steps=0), eqx.filter(model, eqx.is_array), embed_dim=model.config.embed_dim
-    )
-    holder = [init_state(model, optimizer, key=jax.random.key(seed + 1))]
-    step = make_train_step(optimizer, schedule)
-
-    def call():
-        holder[0], metrics = step(batch, holder[0])
-        return holder[0], metrics
-
-    return call
-
-
-def _hf_train(reference, ids, adamw: str, dtype: str) -> Callable[[], Any]:
-    """transformers' own loss, backward, clipping and AdamW with eqmoe's OptimizerConfig defaults, on the device of
-    ``ids``: float32 weights, the forward pass under ``autocast`` to ``dtype`` unless that is float32."""
-    import torch
-
-    from eqmoe.train.optimizer import OptimizerConfig
-
-    config = OptimizerConfig(warmup_steps=0)
-    model = copy.deepcopy(reference).to(ids.device).train()
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if _decays(n)], "weight_decay": config.weight_decay},
-        {"params": [p for n, p in named if not _decays(n)], "weight_decay": 0.0},
-    ]
-    flags = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw]
-    optimizer = torch.optim.AdamW(
-        groups, lr=config.learning_rate, betas=(config.b1, config.b2), eps=config.eps, **flags
-    )
-    params = [p for _, p in named]
-
-    autocast = dict(device_type=ids.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-
-    def call():
-        with torch.autocast(**autocast):
-            loss = model(ids, labels=ids, output_router_logits=True, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return None
-
-    return call
-
-
-def _decays(name: str) -> bool:
-    """eqmoe's decay rule (``eqmoe.train.optimizer.decays``) on a transformers parameter name: no decay on norm
-    scales and biases (Qwen3-Next's ``dt_bias`` and ``A_log`` are biases there); gpt-oss's sinks decay as eqmoe's
-    do."""
-    return not name.endswith(("norm.weight", "bias", "A_log"))
 
 
 # --- the benchmark -----------------------------------------------------------------------------------
@@ -318,7 +202,7 @@ def run(args: Args) -> dict:
     settle_s = SETTLE_S if device == "cpu" else 0.0
     square = (args.peak_size,) * 3
     info["square_matmul"] = matmul_rates_gflops(*square, args.dtype, device, settle_s=settle_s)
-    print(f"the same square by each framework's kernel: {_kernel_rates(info['square_matmul'])}")
+    print(f"the same square by each framework's kernel: {kernel_rates(info['square_matmul'])}")
     expert_rates = {}  # timed before any model is built, as the peak is: the same state of the machine
     for name, shape, _ in rows:
         expert_matmul = expert_matmul_shape(shape)
@@ -327,7 +211,7 @@ def run(args: Args) -> dict:
         print(
             f"{name}: an expert's first matmul [{expert_matmul[0]} x {expert_matmul[1]}] @ [{expert_matmul[1]} x "
             f"{expert_matmul[2]}] (its mean routed rows; gate and up together) by each framework's kernel: "
-            f"{_kernel_rates(rates)}"
+            f"{kernel_rates(rates)}"
         )
     results: dict[str, Any] = {"machine": info, "args": dataclasses.asdict(args), "rows": [], "breakdown": []}
     results["sliding_over_full"], results["linear_scaling"] = [], []
@@ -345,7 +229,7 @@ def run(args: Args) -> dict:
             model = model.with_config(resolved.config.replace(dtype=model.config.dtype))
             results.setdefault("auto", {})[name] = [dataclasses.asdict(m) for m in resolved.measurements]
         ids = np.random.default_rng(args.seed).integers(0, shape.vocab, (shape.batch, shape.seq))
-        ids_t, batch = torch.from_numpy(ids).long().to(device), _eqmoe_batch(ids)
+        ids_t, batch = torch.from_numpy(ids).long().to(device), eqmoe_batch(ids)
         tokens = shape.batch * shape.seq
         on_device = copy.deepcopy(reference).to(device) if device != "cpu" else reference
 
@@ -365,7 +249,7 @@ def run(args: Args) -> dict:
                 copy.deepcopy(on_device).to(getattr(torch, dtype)) if dtype != "float32" else on_device
             )
             started = time.perf_counter()
-            ours_logits = np.asarray(jax.block_until_ready(_eqmoe_logits(inference_model, batch)), np.float32)
+            ours_logits = np.asarray(jax.block_until_ready(eqmoe_logits(inference_model, batch)), np.float32)
             first["eqmoe_first_s"] = time.perf_counter() - started
             started = time.perf_counter()
             theirs_logits = hf_logits(inference_reference).float().cpu().numpy()
@@ -382,13 +266,13 @@ def run(args: Args) -> dict:
 
         for pass_name in passes:
             if pass_name == "forward":
-                ours = lambda m=inference_model, b=batch: _eqmoe_logits(m, b)  # noqa: E731
+                ours = lambda m=inference_model, b=batch: eqmoe_logits(m, b)  # noqa: E731
                 theirs = lambda r=inference_reference: hf_logits(r)  # noqa: E731
                 timing = interleaved(ours, theirs, args.repeats, settle_s)
                 timing.update(first)  # the check's calls were the first
             else:
-                ours = _eqmoe_train(train_model, batch, args.seed)
-                theirs = _hf_train(reference, ids_t, args.hf_adamw, args.dtype)
+                ours = eqmoe_train(train_model, batch, args.seed)
+                theirs = hf_train(reference, ids_t, args.hf_adamw, args.dtype)
                 timing = interleaved(ours, theirs, args.repeats, settle_s)
                 del ours, theirs
             per_token = flops.forward_flops_per_token(model.config, shape.seq)
@@ -429,108 +313,13 @@ def run(args: Args) -> dict:
             results["linear_scaling"] += linear_scaling(name, shape, model, lengths, args.repeats, seed)
 
     info["load_average_at_end"] = os.getloadavg()  # other work on the machine slows torch's threads most
-    header = ["shape", "pass", "tokens", "eqmoe ms", "HF ms", "eqmoe tok/s", "HF tok/s", "ratio", "eqmoe compile s"]
-    header += ["HF first s", "eqmoe GFLOP/s", "of peak", "HF of peak"]
-    print("\n" + markdown_table(header, [_row_cells(r) for r in results["rows"]]))
-    print("ratio = eqmoe tokens/s / transformers tokens/s (> 1: eqmoe faster); medians of", args.repeats, "calls")
-    print(f"of peak = model FLOPs per second / the {info['matmul_peak_gflops']:.1f} GFLOP/s matmul peak measured above")
-    print(f"\neqmoe against the limit and against transformers ({args.dtype}, torch on {device}):")
-    print(summary_table(results["rows"]))
-    if results["breakdown"]:
-        cells = [
-            [b["shape"], b["component"], b["pass"], f"{b['eqmoe_ms']:.2f}", f"{b['hf_ms']:.2f}", f"{b['ratio']:.2f}"]
-            + [f"{b['max_abs_diff']:.1e}"]
-            for b in results["breakdown"]
-        ]
-        header = ["shape", "component", "pass", "eqmoe ms", "HF ms", "ratio", "max |diff|"]
-        print("\n" + markdown_table(header, cells))
-        print("ratio = transformers ms / eqmoe ms (> 1: eqmoe faster); max |diff| of the forward outputs")
-    for ratio in results["sliding_over_full"]:
-        print(_sliding_over_full_line(ratio))
-    if results["linear_scaling"]:
-        print("\n" + linear_scaling_table(results["linear_scaling"]))
-        print(
-            "one linear (gated DeltaNet) layer alone, norm included, forward+backward; vs first = per token over the "
-            "row's shortest length (flat: linear in the length); temp = XLA's compiled temporary bytes"
-        )
+    print_tables(results, args.repeats, args.dtype, device)
     print("load average at the end:", " ".join(f"{x:.2f}" for x in info["load_average_at_end"]))
     if args.json_out is not None:
         from eqmoe.train.logging import write_json_atomic
 
         write_json_atomic(args.json_out, results)
     return results
-
-
-def sliding_over_full(name: str, shape: Shape, entries: list[dict]) -> list[dict]:
-    """A sliding layer's attention time over a full layer's, each side and pass, where the breakdown timed both."""
-    timed = {(entry["component"], entry["pass"]): entry for entry in entries}
-    if ("attention_sliding", "forward") not in timed:
-        return []
-    ratio = {"shape": name, "window": shape.window, "batch": shape.batch, "seq": shape.seq}
-    for side in ("eqmoe", "hf"):
-        for pass_name in ("forward", "fwd+bwd"):
-            sliding, full = timed["attention_sliding", pass_name], timed["attention_full", pass_name]
-            ratio[f"{side}_{pass_name}"] = sliding[f"{side}_ms"] / full[f"{side}_ms"]
-    return [ratio]
-
-
-def _sliding_over_full_line(ratio: dict) -> str:
-    return (
-        f"{ratio['shape']}: sliding (window {ratio['window']}) / full attention layer time at "
-        f"{ratio['batch']}x{ratio['seq']}: eqmoe forward {ratio['eqmoe_forward']:.3f}, fwd+bwd "
-        f"{ratio['eqmoe_fwd+bwd']:.3f}; transformers forward {ratio['hf_forward']:.3f}, "
-        f"fwd+bwd {ratio['hf_fwd+bwd']:.3f}"
-    )
-
-
-def expert_matmul_shape(shape: Shape) -> tuple[int, int, int]:
-    """``(rows, inner, cols)`` of a routed expert's first product on the row's batch: the mean rows an expert is
-    routed, the model's width, its gate and up projections together (both frameworks multiply them as one)."""
-    rows = max(1, shape.batch * shape.seq * shape.top_k // shape.experts)
-    return rows, shape.embed, 2 * shape.expert_dim
-
-
-def _kernel_rates(rates: dict) -> str:
-    ours, theirs = rates["jnp_dot_gflops"], rates["torch_mm_gflops"]
-    return f"jnp.dot {ours:.1f} GFLOP/s, torch.mm {theirs:.1f} GFLOP/s ({theirs / ours:.2f}x jnp.dot's)"
-
-
-def summary_table(rows: list[dict]) -> str:
-    """One line per row: eqmoe's fraction of the matmul peak and its speed over transformers', forward and train
-    (``-`` for a pass not run), and how much faster torch's matmul kernel multiplies the row's expert product than
-    XLA's: a step that is matmuls alone on both sides can be at most its inverse as fast as transformers'."""
-    by_row: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        by_row.setdefault(row["shape"], {})[row["pass"]] = row
-    cells = []
-    for name, passes in by_row.items():
-        cells.append([name])
-        for pass_name in PASSES:
-            row = passes.get(pass_name)
-            cells[-1] += [f"{100 * row['eqmoe_of_peak']:.1f}%", f"{row['ratio']:.2f}x"] if row else ["-", "-"]
-        rates = next(iter(passes.values()))["expert_matmul"]
-        cells[-1].append(f"{rates['torch_mm_gflops'] / rates['jnp_dot_gflops']:.2f}x")
-    header = ["row", "forward of peak", "forward vs HF", "train of peak", "train vs HF", "expert matmul torch/XLA"]
-    return markdown_table(header, cells)
-
-
-def _row_cells(row: dict) -> list[str]:
-    config = row["config"]
-    return [
-        row["shape"],
-        row["pass"],
-        f"{config['batch']}x{config['seq']}",
-        f"{row['eqmoe_ms']:.1f}",
-        f"{row['hf_ms']:.1f}",
-        f"{row['eqmoe_tokens_per_s']:,.0f}",
-        f"{row['hf_tokens_per_s']:,.0f}",
-        f"{row['ratio']:.2f}",
-        f"{row['eqmoe_compile_s']:.2f}",
-        f"{row['hf_first_call_s']:.2f}",
-        f"{row['eqmoe_gflops']:.1f}",
-        f"{100 * row['eqmoe_of_peak']:.1f}%",
-        f"{100 * row['hf_of_peak']:.1f}%",
-    ]
 
 
 def main(args: Args) -> int:

@@ -44,7 +44,7 @@ from eqmoe.checkpoints.quantized import read_scheme
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import tokenizer_vocab_size
 from eqmoe.data.hub import resolve_folder
-from eqmoe.data.tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE_NAMES, tokenizer_file
+from eqmoe.data.tokenizer import TIKTOKEN_FILE, TOKENIZER_FILE_NAMES, check_tokenizer_fits, tokenizer_file
 from eqmoe.lora import has_lora, merge_lora
 from experiments._cli import UsageError, guarded
 from experiments.options import ModelSourceOptions, TokenizerOption
@@ -95,8 +95,8 @@ def _side_files(source: Path, tokenizer: Path | None, vocab_size: int) -> list[P
             brought += config + code  # the source's tokenizer_config.json goes even when none comes: as it was read
             replaced |= {"tokenizer_config.json"} | {path.name for path in code}
         files = [f for f in files if f.name not in replaced] + brought
-    if file is not None and (size := tokenizer_vocab_size(file)) > vocab_size:
-        raise UsageError(f"{file}: the tokenizer has {size} ids but the model's vocabulary has {vocab_size}")
+    if file is not None:
+        check_tokenizer_fits(tokenizer_vocab_size(file), vocab_size, file, error=UsageError)
     return files
 
 

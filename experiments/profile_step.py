@@ -45,9 +45,9 @@ from eqmoe.nn.block import Block
 from eqmoe.nn.stack import RepeatedUnit, interleave_routings
 from eqmoe.train.logging import write_json_atomic
 from experiments._bench_device import matmul_peak_gflops
+from experiments._bench_passes import copy_arrays, eqmoe_batch, eqmoe_logits
 from experiments._bench_rows import DEFAULT_ROWS, PASSES, SHAPES, build_models
 from experiments._cli import UsageError, guarded
-from experiments.bench_model import _copy_arrays, _eqmoe_batch, _eqmoe_logits
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,13 @@ class Args:
 def _compiled(model, batch, pass_name: str, seed: int):
     """``(call, hlo_text)``: one call of the row's program, compiled once (a train step carries its donated state)."""
     if pass_name == "forward":
-        compiled = _eqmoe_logits.lower(model, batch).compile()
+        compiled = eqmoe_logits.lower(model, batch).compile()
         return (lambda: compiled(model, batch)), compiled.compiled.as_text()
     from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
     from eqmoe.train.state import init_state
     from eqmoe.train.step import make_train_step
 
-    model = _copy_arrays(model)
+    model = copy_arrays(model)
     optimizer, schedule = make_optimizer(
         OptimizerConfig(warmup_steps=0), eqx.filter(model, eqx.is_array), embed_dim=model.config.embed_dim
     )
@@ -133,7 +133,7 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
     largest operations other than matmuls."""
     shape = SHAPES[name]
     ids = np.random.default_rng(seed).integers(0, shape.vocab, (shape.batch, shape.seq))
-    call, hlo = _compiled(model, _eqmoe_batch(ids), pass_name, seed)
+    call, hlo = _compiled(model, eqmoe_batch(ids), pass_name, seed)
     seconds = _median_seconds(call, repeats)
     traced: Profile = profile(call, hlo, repeats, seconds)
     model_gflop = shape.batch * shape.seq * flops.forward_flops_per_token(model.config, shape.seq) / 1e9

@@ -3,8 +3,8 @@ much the expert choice says about the data's domain.
 
 Everything here works on :class:`eqmoe.nn.router.RouterStats` (summed over any number of batches with
 :func:`accumulate`) or on a joint count table of domains and experts, as plain NumPy. The analyses that need
-each token's own choice (co-activation, cross-layer agreement, vocabulary specialisation, router traces) are
-in :mod:`eqmoe.analysis.routing_maps`.
+each token's own choice (co-activation, cross-layer agreement, vocabulary specialisation) are in
+:mod:`eqmoe.analysis.routing_maps`, on the records (and router traces) of :mod:`eqmoe.analysis.routing_records`.
 """
 
 from typing import NamedTuple

@@ -20,7 +20,7 @@ from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.run_metadata import RunMetadata
 from eqmoe.data import end_of_turn_ids, load_tokenizer
 from eqmoe.data.template import ChatTemplate, special_tokens
-from eqmoe.data.tokenizer import TIKTOKEN_FILE, tokenizer_file
+from eqmoe.data.tokenizer import TIKTOKEN_FILE, check_tokenizer_fits, tokenizer_file
 
 _BUILT_IN = "built-in ChatML"  # the origin of the template a tokenizer without one renders with
 
@@ -120,8 +120,7 @@ def export_files(
     variables = {} if metadata is None else dict(metadata.template_vars)
     # chat=False also loads a plain-text run's tokenizer; the template and stop ids do not depend on it.
     text = load_tokenizer(path, chat=False, chat_template=template_file, template_vars=variables)
-    if text.vocab_size > vocab_size:
-        raise ValueError(f"{file}: the tokenizer has {text.vocab_size} ids but the model's vocabulary has {vocab_size}")
+    check_tokenizer_fits(text.vocab_size, vocab_size, file)
     config = _read_json(source / "tokenizer_config.json")
     files: dict[str, Path | None] = {p.name: p for p in hf.side_files(source)}
     if file.name == TIKTOKEN_FILE:  # with the code transformers reads it with (trust_remote_code)

@@ -2,15 +2,16 @@
 
 The format of each architecture (its ``config.json`` fields and tensor names) belongs to its model family
 (:mod:`eqmoe.models`): a folder is read by the family its ``model_type`` names, and a model is written by
-the family its ``config.family`` names."""
+the family its ``config.family`` names.
+
+Reading is here; writing is :mod:`eqmoe.checkpoints.hf_write` and the folder's layout
+:mod:`eqmoe.checkpoints.hf_layout`, their names importable from here too."""
 
 import functools
 import json
 import math
 import re
-import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import equinox as eqx
@@ -20,7 +21,16 @@ import numpy as np
 
 from eqmoe import parallel
 from eqmoe.checkpoints import fused_experts, quantized
-from eqmoe.checkpoints._staging import staged_folder
+from eqmoe.checkpoints.hf_layout import (  # noqa: F401 (the folder's names, importable from here as before)
+    INDEX_FILE,
+    SIDE_FILES,
+    SINGLE_FILE,
+    checkpoint_names,
+    leaf_at,
+    side_files,
+    to_model_layout,
+)
+from eqmoe.checkpoints.hf_write import iter_tensors, save, state_dict  # noqa: F401 (writing, importable from here)
 from eqmoe.checkpoints.safetensors_io import SafetensorsFile
 from eqmoe.config import ModelConfig
 from eqmoe.data.hub import resolve_folder
@@ -28,22 +38,9 @@ from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.models.family import TensorName
 from eqmoe.models.field_map import report_ignored
-from eqmoe.nn.fp8 import is_block_fp8
 from eqmoe.progress import phase_bar
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-SIDE_FILES = (  # travel with the weights through conversions: tokenizer and generation settings
-    "tokenizer.json",
-    "tiktoken.model",  # Kimi K2's and Moonlight's tokenizer, in place of tokenizer.json
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def read_config(folder: str | Path) -> ModelConfig:
@@ -82,15 +79,6 @@ def stored_dtype(folder: str | Path) -> str:
     return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
-def side_files(folder: str | Path) -> list[Path]:
-    """The :data:`SIDE_FILES` present in ``folder``, and the tokenizer code a tiktoken tokenizer's transformers
-    loading needs (``tokenization_kimi.py``)."""
-    folder = Path(folder)
-    return [folder / name for name in SIDE_FILES if (folder / name).is_file()] + sorted(
-        folder.glob("tokenization_*.py")
-    )
-
-
 def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     """Map every tensor name to the file that holds it (single file or sharded index)."""
     index_path = folder / INDEX_FILE
@@ -124,61 +112,6 @@ def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     return {key: file for key in file.keys()}  # noqa: SIM118
 
 
-def _to_model_layout(name: TensorName, tensor: np.ndarray, piece: tuple[int, ...]) -> np.ndarray:
-    if name.columns is not None:
-        start, step = name.columns
-        return tensor[..., start::step]
-    if name.flat or name.stored is not None:
-        return tensor.reshape(piece)
-    return tensor.T.reshape(piece) if name.linear_in_dims else tensor
-
-
-def _to_checkpoint_layout(name: TensorName, piece: np.ndarray) -> np.ndarray:
-    if name.flat:
-        return piece.reshape(-1)
-    if name.stored is not None:
-        return piece.reshape(name.stored)
-    if not name.linear_in_dims:
-        return piece
-    return piece.reshape(math.prod(piece.shape[: name.linear_in_dims]), -1).T
-
-
-def _get(tree, path: tuple[str | int, ...]):
-    for step in path:
-        tree = tree[step] if isinstance(step, int) else getattr(tree, step)
-    return tree
-
-
-def iter_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
-    """``(checkpoint name, tensor)`` for every parameter, one tensor at a time: only that tensor's slice
-    of a stacked leaf is copied to the host (a tensor several leaves share, once all its parts are read)."""
-    parts: dict[str, dict[int, np.ndarray]] = {}
-    for name in _checkpoint_names(model.config):
-        held = _get(model, name.path)[name.index]
-        held = held.dequantize() if is_block_fp8(held) else held  # a block-FP8 weight's float32 dequantization
-        tensor = _to_checkpoint_layout(name, np.asarray(held))
-        if name.columns is None:
-            yield name.key, tensor
-            continue
-        start, step = name.columns
-        parts.setdefault(name.key, {})[start] = tensor
-        if len(parts[name.key]) == step:
-            whole = np.empty((*tensor.shape[:-1], tensor.shape[-1] * step), tensor.dtype)
-            for first, part in parts.pop(name.key).items():
-                whole[..., first::step] = part
-            yield name.key, whole
-
-
-def state_dict(model: Transformer) -> dict[str, np.ndarray]:
-    """Every parameter of ``model`` (or a same-shaped pytree such as its gradients) under its Hugging
-    Face checkpoint name, in torch ``[out, in]`` layout."""
-    return dict(iter_tensors(model))
-
-
-def _checkpoint_names(config: ModelConfig) -> list[TensorName]:
-    return families.get(config.family).checkpoint_names(config)
-
-
 def _leaf_path(key_path) -> tuple[str | int, ...]:
     return tuple(getattr(k, "name", getattr(k, "idx", None)) for k in key_path)
 
@@ -204,7 +137,7 @@ def _read_slice(
         stacked = len(name.index)
         if not all(i in r for i, r in zip(name.index, ranges, strict=False)):
             continue
-        tensor = _to_model_layout(name, _stored(files[name.key], name.key, held), leaf.shape[stacked:])
+        tensor = to_model_layout(name, _stored(files[name.key], name.key, held), leaf.shape[stacked:])
         part = tensor[index[stacked:]]  # a view of the memory-mapped file: only this slice is copied
         buffer[tuple(i - r.start for i, r in zip(name.index, ranges, strict=False))] = part
         filled += part.size
@@ -258,7 +191,7 @@ def load(
     if parallelism is not None:
         placement = parallel.tree_shardings(abstract, parallelism)
         shardings = {_leaf_path(p): s for p, s in jax.tree_util.tree_leaves_with_path(placement)}
-    names = _checkpoint_names(config)
+    names = checkpoint_names(config)
     files = fused_experts.splitting(files, {name.key for name in names})  # experts stored [E, ...] as one tensor
 
     problems = []
@@ -284,7 +217,7 @@ def load(
             by_leaf.setdefault(name.path, []).append(name)
     held = set()
     if keep_fp8:
-        abstract, held = quantized.hold_fp8(abstract, by_leaf, files, _get, parallelism)
+        abstract, held = quantized.hold_fp8(abstract, by_leaf, files, leaf_at, parallelism)
         leaves = {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
         if parallelism is not None:
             placement = parallel.tree_shardings(abstract, parallelism)
@@ -315,8 +248,8 @@ def _check_duplicates(model: Transformer, duplicates: list[TensorName], files, f
     """Each ``duplicate`` tensor equals the one loaded for its leaf (the copy read the same way), or a one-line
     ``ValueError`` names it: a model holds one embedding and one head, whatever the files repeat."""
     for name in duplicates:
-        loaded = np.asarray(_get(model, name.path)[name.index])
-        copy = _to_model_layout(name, np.asarray(files[name.key].read(name.key)), loaded.shape).astype(loaded.dtype)
+        loaded = np.asarray(leaf_at(model, name.path)[name.index])
+        copy = to_model_layout(name, np.asarray(files[name.key].read(name.key)), loaded.shape).astype(loaded.dtype)
         if not np.array_equal(copy, loaded):
             raise ValueError(f"{folder}: {name.key} differs from the tensor it repeats (the model holds one of them)")
 
@@ -327,7 +260,7 @@ def _without_absent_mtp(config: ModelConfig, files, folder: Path) -> ModelConfig
     Qwen3.5's ``mtp_num_hidden_layers``). The declared count is kept for the export."""
     if not config.mtp_layers:
         return config
-    names = [name.key for name in _checkpoint_names(config) if name.path[0] == "mtp" and not name.duplicate]
+    names = [name.key for name in checkpoint_names(config) if name.path[0] == "mtp" and not name.duplicate]
     if any(key in files for key in names):
         return config
     print(
@@ -336,82 +269,3 @@ def _without_absent_mtp(config: ModelConfig, files, folder: Path) -> ModelConfig
         file=sys.stderr,
     )
     return config.replace(mtp_layers=0, mtp_layers_declared=config.mtp_layers)
-
-
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def _shard_bytes(max_shard_size: int | str) -> int:
-    if isinstance(max_shard_size, int):
-        size = max_shard_size
-    else:
-        text = max_shard_size.strip().upper()
-        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
-        try:
-            size = int(float(text[: -len(unit)] if unit else text) * (_UNITS[unit] if unit else 1))
-        except ValueError:
-            size = 0
-    if size <= 0:
-        raise ValueError(f"max_shard_size={max_shard_size!r} is invalid; allowed: a positive size such as '5GB'")
-    return size
-
-
-def save(
-    model: Transformer,
-    folder: str | Path,
-    *,
-    dtype: str | jnp.dtype | None = None,
-    max_shard_size: int | str = "5GB",
-    overwrite: bool = False,
-    extra_files: list[Path] = (),
-) -> Path:
-    """Write ``model`` as a Hugging Face folder of its family: ``config.json`` and ``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the tensors
-    exceed ``max_shard_size``. Tensors are cast to ``dtype`` (default: the parameters' dtype).
-
-    Tensors are streamed: host memory holds about one shard. The folder is assembled under a temporary
-    name beside ``folder`` and renamed into place, so a failure never leaves a half-written checkpoint.
-    An existing ``folder`` is refused unless ``overwrite``. ``extra_files`` (e.g. :func:`side_files` of the
-    source folder) are copied in beside the weights.
-    """
-    from safetensors.numpy import save_file
-
-    folder = Path(folder)
-    limit = _shard_bytes(max_shard_size)
-    target = None if dtype is None else jnp.dtype(dtype)
-    hf_config = families.get(model.config.family).config_to_hf(model.config)
-    hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
-    with staged_folder(folder, overwrite=overwrite) as staging:
-        for extra in extra_files:
-            shutil.copyfile(extra, staging / Path(extra).name)
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        shards: list[list[str]] = []
-        pending: dict[str, np.ndarray] = {}
-        pending_bytes = total = 0
-
-        def flush():
-            save_file(pending, str(staging / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
-            shards.append(list(pending))
-            pending.clear()
-
-        names = len({name.key for name in _checkpoint_names(model.config)})
-        for key, tensor in phase_bar(iter_tensors(model), f"writing {folder.name}", total=names, unit="tensor"):
-            tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
-            if pending and pending_bytes + tensor.nbytes > limit:
-                flush()
-                pending_bytes = 0
-            pending[key] = tensor
-            pending_bytes += tensor.nbytes
-            total += tensor.nbytes
-        flush()
-        if len(shards) == 1:
-            (staging / "shard-0.tmp").rename(staging / SINGLE_FILE)
-        else:
-            weight_map = {}
-            for i, keys in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                (staging / f"shard-{i}.tmp").rename(staging / name)
-                weight_map.update(dict.fromkeys(keys, name))
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return folder

@@ -32,7 +32,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from eqmoe.checkpoints._staging import staged_folder
-from eqmoe.checkpoints.hf import _checkpoint_names, _get
+from eqmoe.checkpoints.hf_layout import checkpoint_names, leaf_at
 from eqmoe.model import Transformer
 from eqmoe.nn.kinds import AttentionKind
 from eqmoe.nn.linear import ExpertLinear, Linear
@@ -90,16 +90,16 @@ def adapter_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     scale = rank = None
     dropout = 0.0
     experts: dict[tuple, dict] = {}
-    for name in _checkpoint_names(model.config):
+    for name in checkpoint_names(model.config):
         if name.path[-1] != "weight":
             continue
-        linear = _get(model, name.path[:-1])
+        linear = leaf_at(model, name.path[:-1])
         if not isinstance(linear, Linear) or linear.adapter is None:
             continue
         adapter = linear.adapter
         a, b = adapter.a, adapter.b
         rank, scale, dropout = adapter.rank, adapter.scale, max(dropout, adapter.dropout)
-        part = _get(model, name.path[:-2])
+        part = leaf_at(model, name.path[:-2])
         if not isinstance(linear, ExpertLinear):  # one matrix per layer
             module = _module(name.key)
             lora_a, lora_b = _factors(np.asarray(a[name.index]), np.asarray(b[name.index]), name.linear_in_dims)
