@@ -23,7 +23,10 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "argv", "expected"), CASES, ids=[f"{c[0]}:{c[2][:20]}" for c in CASES])
-def test_expected_failures_are_one_line_and_exit_2(name, argv, expected, tmp_path, capsys):
+def test_expected_failures_are_one_line_and_exit_2(name, argv, expected, tmp_path, capsys, monkeypatch):
+    # Default output folders (runs/sft, ...) are relative: run in an empty folder, so that a run the quickstart left
+    # in the checkout does not answer first ("already holds a run").
+    monkeypatch.chdir(tmp_path)
     module = importlib.import_module(f"experiments.{name}")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     config = (tyro.conf.OmitArgPrefixes,) if name in ("sft", "pretrain") else ()

@@ -1,11 +1,14 @@
 """The step profiler: operations' own times from nested trace events, matmul FLOPs and passes from the optimized HLO."""
 
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import eqmoe
 from eqmoe.analysis import xla_profile
 
 
@@ -54,6 +57,15 @@ def test_a_traced_gradient_counts_each_matmul_once_per_run_with_its_flops_and_pa
     assert result.traced_seconds > 0 and result.matmul_rate() > 0
     assert set(result.by_kind) <= set(xla_profile.KINDS)
     assert any(key.startswith("test_xla_profile.py:") and "[matmul]" in key for key in result.by_where)
+
+
+def test_a_frame_is_named_by_the_package_it_lies_in_not_by_a_folder_called_eqmoe():
+    package = Path(eqmoe.__file__).parent
+    assert xla_profile._short(str(package / "nn" / "flash.py")) == "eqmoe/nn/flash.py"
+    assert xla_profile._short(str(Path(eqx.__file__).parent / "_module.py")) == "equinox/_module.py"
+    # a checkout named eqmoe: its tests are not the package
+    assert xla_profile._short("/home/someone/eqmoe/tests/test_xla_profile.py") == "test_xla_profile.py"
+    assert xla_profile._short(f"/elsewhere/eqmoe/{package.name}/model.py") == "model.py"
 
 
 def test_operations_read_dots_inside_fusions_and_loops_from_hlo_text():

@@ -18,8 +18,11 @@ On a CPU, operations may overlap on the machine's threads, so the own times can 
 """
 
 import collections
+import functools
 import gzip
+import importlib.util
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -238,10 +241,23 @@ class _Frames:
         return stack
 
 
+@functools.cache
+def _package_folders() -> tuple[tuple[str, str], ...]:
+    """``(name, folder/)`` of eqmoe, optax and equinox where they are installed. A frame is named by the package
+    it lies in, never by a folder's name: a checkout called ``eqmoe`` holds tests and experiments, not the package."""
+    folders = []
+    for name in ("eqmoe", "optax", "equinox"):
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for path in dict.fromkeys((folder, os.path.realpath(folder))):  # the path as imported, and resolved
+                folders.append((name, path.rstrip(os.sep) + os.sep))
+    return tuple(folders)
+
+
 def _short(file: str) -> str:
-    for root in ("/eqmoe/", "/optax/", "/equinox/"):
-        if root in file:
-            return root.strip("/") + "/" + file.split(root, 1)[1]
+    for name, folder in _package_folders():
+        if file.startswith(folder):
+            return f"{name}/{Path(file[len(folder) :]).as_posix()}"
     return Path(file).name
 
 

@@ -18,9 +18,15 @@ template needs a rule of its own:
   render.
 - the span is cut back to the end of its last special token, so what separates messages (ChatML's newline) is
   not trained, while all of one turn's messages are: gpt-oss's analysis ``<|end|>``, the
-  ``<|start|>assistant<|channel|>final<|message|>`` after it and the final ``<|return|>`` or ``<|call|>``. More
-  than whitespace after that token means the template closes turns with no special token of its own; such a
-  template needs ``{% generation %}`` tags.
+  ``<|start|>assistant<|channel|>final<|message|>`` after it and the final ``<|return|>`` or ``<|call|>``. A
+  template may close no reply with a token of its own: GLM-4.5's model stops by writing the next message's role
+  token (``<|user|>``, ``<|observation|>``), so that token ends the span, and the conversation's last reply runs to
+  the end of the render. Any other turn with more than whitespace after its last special token needs
+  ``{% generation %}`` tags.
+- what the turn must hold (its first tool call's name, else the last line of its reply) is looked for in it, unless
+  the template renders none of it even for the conversation's last message: DeepSeek-V3's renders a tool call only
+  when the message's content is null, and a reply with empty content and a call renders as
+  ``<｜Assistant｜><｜end▁of▁sentence｜>``, its turn then being that.
 
 A turn that cannot be found is an error saying why.
 """
@@ -28,7 +34,7 @@ A turn that cannot be found is an error saying why.
 import re
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from eqmoe.data.template import ChatTemplate, TemplateError
 from eqmoe.data.tokenizer import Tokenizer
@@ -39,6 +45,8 @@ from eqmoe.data.tokenizer import Tokenizer
 _CALL = {"type": "function", "function": {"name": "probe", "arguments": {"text": "pong"}}}
 _PROBES = (({"role": "assistant", "content": "pong"}, 0), ({"role": "assistant", "tool_calls": [_CALL]}, -1))
 _OPENINGS = ([], [{"role": "system", "content": "s"}])  # some templates need a system message
+# What follows each probe reply when the conversation goes on: a user message after an answer, a result after a call.
+_FOLLOWING = ({"role": "user", "content": "ping"}, {"role": "tool", "content": "pang"})
 
 
 def _specials_after(tokenizer: Tokenizer, text: str, after: int) -> list[str]:
@@ -47,31 +55,56 @@ def _specials_after(tokenizer: Tokenizer, text: str, after: int) -> list[str]:
     return [tokenizer.special_ids[token] for token, start in pairs if start >= after and token in tokenizer.special_ids]
 
 
+def _opener_after(tokenizer: Tokenizer, text: str, chat: list[dict]) -> str | None:
+    """The special token the render of ``chat`` goes on with right after ``text`` (whitespace aside), if any."""
+    special = _special_pattern(tokenizer)
+    try:
+        more = tokenizer.chat_template.render(chat).text
+    except TemplateError:
+        return None
+    rest = more[len(text) :]
+    opener = None if special is None or not more.startswith(text) else special.match(rest.lstrip())
+    return None if opener is None else opener.group(0)
+
+
+class _Ends(NamedTuple):
+    """What ends a reply: the special tokens, and whether they open the next message (the template closing no
+    reply itself)."""
+
+    tokens: tuple[str, ...]
+    by_next_message: bool
+
+
 @cache
-def _reply_ends(tokenizer: Tokenizer) -> tuple[str, ...]:
-    """The special tokens the template ends the conversation's last reply with: a message's (``<|im_end|>``,
-    harmony's ``<|return|>``) and a tool call's where it differs (harmony's ``<|call|>``). Never a token that
-    closes only part of a reply (harmony's ``<|end|>`` after the analysis)."""
-    found = []
-    for reply, which in _PROBES:
+def _reply_ends(tokenizer: Tokenizer) -> _Ends:
+    """The special tokens that end a reply: those the template ends the conversation's last reply with, a
+    message's (``<|im_end|>``, harmony's ``<|return|>``) and a tool call's where it differs (harmony's ``<|call|>``),
+    never a token that closes only part of a reply (harmony's ``<|end|>`` after the analysis); for a template that
+    renders none after the last reply, those the next message opens with (GLM-4.5's ``<|user|>`` after an answer,
+    ``<|observation|>`` after a call)."""
+    found, by_next = [], False
+    for (reply, which), following in zip(_PROBES, _FOLLOWING, strict=True):
         for opening in _OPENINGS:
+            chat = [*opening, {"role": "user", "content": "ping"}, reply]
             try:
-                text = tokenizer.chat_template.render([*opening, {"role": "user", "content": "ping"}, reply]).text
+                text = tokenizer.chat_template.render(chat).text
             except TemplateError:
                 continue
             specials = _specials_after(tokenizer, text, text.rfind("pong") + len("pong"))
-            if specials:
-                found.append(specials[which])
+            opener = None if specials else _opener_after(tokenizer, text, [*chat, following])
+            if specials or opener:
+                found.append(specials[which] if specials else opener)
+                by_next = by_next or opener is not None
                 break
     if not found:
         eos = getattr(tokenizer, "special_tokens", {}).get("eos_token")
         found = [eos] if eos else []
-    return tuple(dict.fromkeys(found))
+    return _Ends(tuple(dict.fromkeys(found)), by_next)
 
 
 def end_of_turn_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The ids generation stops on: the tokens the template ends a reply with and the tokenizer's ``stop_ids``."""
-    ids = [tokenizer.token_to_id(token) for token in _reply_ends(tokenizer)]
+    """The ids generation stops on: the tokens that end a reply and the tokenizer's ``stop_ids``."""
+    ids = [tokenizer.token_to_id(token) for token in _reply_ends(tokenizer).tokens]
     return tuple(dict.fromkeys([i for i in ids if i is not None] + list(tokenizer.stop_ids)))
 
 
@@ -108,9 +141,13 @@ class _Renders:
 
     def __init__(self, template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools):
         self.template, self.messages, self.tools = template, messages, tools
+        self._done: dict[tuple[int, bool], str] = {}
 
     def __call__(self, upto: int, prompt: bool = False) -> str:
-        return self.template.render(self.messages[:upto], tools=self.tools, add_generation_prompt=prompt).text
+        if (upto, prompt) not in self._done:
+            rendered = self.template.render(self.messages[:upto], tools=self.tools, add_generation_prompt=prompt)
+            self._done[upto, prompt] = rendered.text
+        return self._done[upto, prompt]
 
     def history(self, upto: int, header: str) -> str:
         """``messages[:upto]`` rendered as a conversation that goes on: with the generation prompt, cut off."""
@@ -162,6 +199,26 @@ def _turn_end(
     return found + len(history) - at
 
 
+def _turn_stop(i: int, text: str, start: int, end: int, special: re.Pattern | None, tokenizer: Tokenizer) -> int:
+    """Where turn ``i``'s trained text stops: after its last special token, when only whitespace follows it up to
+    the next message (at ``end``); else after the special token the next message opens with, which the model
+    writes to end its turn (GLM-4.5's ``<|user|>``, ``<|observation|>``), or at the render's end for the
+    conversation's last reply under a template that closes no reply itself."""
+    closing = None if special is None else next(reversed(list(special.finditer(text, start, end))), None)
+    if closing is not None and not text[closing.end() : end].strip():
+        return closing.end()
+    if special is not None and _reply_ends(tokenizer).by_next_message:
+        rest = text[end:]
+        opener = special.match(text, end + len(rest) - len(rest.lstrip()))
+        if opener is not None or end == len(text):
+            return end if opener is None else opener.end()
+    raise ValueError(
+        f"{tokenizer.chat_template.origin}: message {i}: the template closes this assistant turn with no special "
+        f"token ({text[start:end][-40:]!r}), so its turns cannot be found in the render; mark them with "
+        "{% generation %} tags"
+    )
+
+
 def turn_spans(
     messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, tokenizer: Tokenizer, text: str
 ) -> list[tuple[int, int]]:
@@ -174,15 +231,10 @@ def turn_spans(
             continue
         start, header = _turn_start(i, renders, text, cursor)
         landmark = _landmark(message)
+        if landmark and renders(i + 1).count(landmark) <= renders(i).count(landmark):
+            landmark = ""  # the template renders none of it, even as the last message (DeepSeek-V3's empty call)
         end = _turn_end(i, renders, text, start, header, landmark, special)
-        closing = None if special is None else next(reversed(list(special.finditer(text, start, end))), None)
-        if closing is None or text[closing.end() : end].strip():
-            raise ValueError(
-                f"{template.origin}: message {i}: the template closes this assistant turn with no special token "
-                f"({text[start:end][-40:]!r}), so its turns cannot be found in the render; mark them with "
-                "{% generation %} tags"
-            )
-        stop = closing.end()
+        stop = _turn_stop(i, text, start, end, special, tokenizer)
         if landmark and landmark not in text[start:stop]:
             raise ValueError(
                 f"message {i}: the assistant's text {landmark!r} is not where the template's turns put it "
