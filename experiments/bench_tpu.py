@@ -353,7 +353,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"{row['row']:<11} failed: {row['error']}"
     text = (
-        f"{row['row']:<11} MFU {row['mfu']:6.1%}  {row['tokens_per_second']:>9,.0f} tok/s  step {row['step_ms']:7.1f} ms"
+        f"{row['row']:<11} MFU {row['mfu']:6.1%}  {row['tokens_per_second']:>9,.0f} tok/s"
+        f"  step {row['step_ms']:7.1f} ms"
         f"  remat {row['remat']:<7} {row['backends']}"
     )
     if row["attention"]:

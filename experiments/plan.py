@@ -37,8 +37,10 @@ class Args(PresetOptions, ShapeOptions, DtypeOption, DispatchOption, LoRAOptions
     remats: tuple[Literal["none", "dots", "offload", "block"], ...] = ("none",)
     """Remat policy or policies to plan: none keeps every activation, dots keeps matmul and kernel outputs, offload
     moves them to host memory, block recomputes each layer unit."""
-    peak_tflops: float = 989.0
-    """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (989: H100 SXM bfloat16 dense)."""
+    peak_tflops: float | None = None
+    """Peak FLOP/s per device in TFLOP/s, for the tokens/s estimate (default: this machine's device's specified peak
+    for --dtype, eqmoe.flops.SPECIFIED_PEAKS, e.g. 197 on a TPU v5e in bfloat16; elsewhere 989, an H100 SXM's bfloat16
+    dense peak)."""
     mfu: float = 0.4
     """Model FLOPs utilisation assumed for the tokens/s estimate."""
     freeze: tuple[str, ...] = ()
@@ -66,7 +68,7 @@ def plan(args: Args) -> list[dict]:
     """One record per (mesh, remat): analytic and compiled bytes per device, FLOPs, planning cost."""
     import jax
 
-    from eqmoe import parallel
+    from eqmoe import flops, parallel
     from eqmoe.analysis import plan as planning
     from eqmoe.config_io import apply_overrides
     from eqmoe.nn.dispatch import BACKENDS
@@ -91,7 +93,8 @@ def plan(args: Args) -> list[dict]:
             estimate = planning.estimate(config, p, args.batch_size, args.seq_len, training)
             total_flops, active_flops = planning.flops_per_token(config, args.seq_len)
             devices = math.prod(p.mesh.shape.values())
-            tokens_per_second = args.mfu * args.peak_tflops * 1e12 * devices / active_flops
+            peak = args.peak_tflops or flops.specified_peak_tflops(jax.devices()[0].device_kind, args.dtype) or 989.0
+            tokens_per_second = args.mfu * peak * 1e12 * devices / active_flops
             record = {
                 "mesh": spec,
                 "remat": remat,
@@ -99,6 +102,7 @@ def plan(args: Args) -> list[dict]:
                 "analytic": {**estimate._asdict(), "argument": estimate.argument, "temp": estimate.temp},
                 "flops_per_token": {"total_params": total_flops, "active_params": active_flops},
                 "tokens_per_second_at_mfu": tokens_per_second,
+                "peak_tflops": peak,
                 "frozen": dict(zip(("parameters", "bytes"), planning.frozen_storage(config, training), strict=True)),
                 "cache_bytes_per_token": dict(
                     zip(("kept", "expanded"), planning.cache_bytes_per_token(config), strict=True)
@@ -195,7 +199,7 @@ def table(args: Args, rows: list[dict]) -> str:
         flops = row["flops_per_token"]
         line = (
             f"{'':<29}model FLOPs/token {flops['total_params']:.3e} (all params) {flops['active_params']:.3e} "
-            f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {args.peak_tflops} "
+            f"(active); {row['tokens_per_second_at_mfu']:,.0f} tok/s at MFU {args.mfu} x {row['peak_tflops']:g} "
             f"TFLOP/s x {row['devices']} devices; {_cache(row['decoding_cache'])}"
         )
         if c is not None:

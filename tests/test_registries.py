@@ -209,9 +209,8 @@ def test_attention_backends_and_norm_placements_come_from_their_registries():
     base = presets.get("qwen3-moe-micro")
     with pytest.raises(ValueError) as excinfo:
         check_names(base.replace(attention=AttentionConfig(4, 2, 8, backend="flash3")))
-    assert (
-        str(excinfo.value) == "AttentionConfig.backend='flash3' is invalid; allowed: blockwise | dense | cudnn | splash | auto"
-    )
+    allowed = "blockwise | dense | cudnn | splash | auto"
+    assert str(excinfo.value) == f"AttentionConfig.backend='flash3' is invalid; allowed: {allowed}"
     assert block.PLACEMENTS.names() == ("pre", "post", "hybrid")
     with pytest.raises(ValueError) as excinfo:
         check_names(base.replace(norm=NormConfig(ffn_placement="sandwich")))

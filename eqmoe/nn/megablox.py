@@ -2,8 +2,9 @@
 
 ``gmm(x, w, group_sizes)`` multiplies the first ``group_sizes[0]`` rows of ``x`` by ``w[0]``, the next by ``w[1]``
 and so on, in tiles of ``(rows, in, out) = tiles``; its backward pass is the same kernel and its transposed form
-(``tgmm``). Rows past the last group are not computed by the kernel; :func:`gmm` returns zeros there. The row count must be a whole number of row tiles, so callers pad the sorted rows once
-(:func:`padded_rows`) and every product of the layer reuses that padding.
+(``tgmm``). Rows past the last group are not computed by the kernel; :func:`gmm` returns zeros there. The row count
+must be a whole number of row tiles, so callers pad the sorted rows once (:func:`padded_rows`) and every product of
+the layer reuses that padding.
 
 Tiles decide the speed (measured on one v5e chip, 262,144 rows 1024 -> 256: (128, 128, 128) 110 ms, (1024, 256,
 256) 17 ms), so ``auto`` measures a few on the run's shapes (:mod:`eqmoe.autotune`). A tile larger than its
