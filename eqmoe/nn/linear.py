@@ -258,13 +258,7 @@ class ExpertLinear(Linear):
     ) -> Float[Array, "rows fan_out"]:
         """Rows sorted by expert, the first ``group_sizes[0]`` rows expert 0's and so on
         (``jax.lax.ragged_dot``); rows past the last group give zeros."""
-        y = jax.lax.ragged_dot(x, self.matrix(x.dtype), group_sizes)
-        if self.bias is not None:
-            y = y + _rows_of_groups(_cast(self.flat_bias(), y.dtype), group_sizes, x.shape[0])
-        if self.adapter is not None:
-            a, b = self._adapter(x.dtype)
-            y = y + jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, group_sizes), b, group_sizes)
-        return y
+        return self._grouped_extras(x, jax.lax.ragged_dot(x, self.matrix(x.dtype), group_sizes), group_sizes)
 
     @_dequantized_in_backward
     def grouped(
@@ -272,7 +266,10 @@ class ExpertLinear(Linear):
     ) -> Float[Array, "rows fan_out"]:
         """:meth:`ragged`'s product by the TPU's grouped-matmul kernel in ``tiles`` (:mod:`eqmoe.nn.megablox`; the
         rows a whole number of its row tiles); an adapter's rank-``r`` products stay ragged dots."""
-        y = megablox.gmm(x, self.matrix(x.dtype), group_sizes, tiles)
+        return self._grouped_extras(x, megablox.gmm(x, self.matrix(x.dtype), group_sizes, tiles), group_sizes)
+
+    def _grouped_extras(self, x: Array, y: Array, group_sizes: Array) -> Array:
+        """``y``, the rows' product with their groups' matrices, plus their groups' biases and adapters."""
         if self.bias is not None:
             y = y + _rows_of_groups(_cast(self.flat_bias(), y.dtype), group_sizes, x.shape[0])
         if self.adapter is not None:
