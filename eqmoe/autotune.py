@@ -33,6 +33,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqmoe.cache import cache_root
 from eqmoe.config import ModelConfig
@@ -231,8 +232,15 @@ def _write_cache(path: Path, entries: dict) -> None:
 
 
 def _stacked(tree, layers: int = LAYERS):
-    """``layers`` copies of ``tree``'s array leaves along a new leading axis, one per layer as the model stacks them."""
-    return jax.tree.map(lambda x: jnp.stack([x] * layers) if eqx.is_array(x) else x, tree)
+    """``layers`` copies of ``tree``'s array leaves along a new leading axis, one per layer as the model stacks
+    them (stacked on the host: an eager stack would compile a program per shape)."""
+    return jax.tree.map(lambda x: jax.device_put(np.stack([np.asarray(x)] * layers)) if eqx.is_array(x) else x, tree)
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Standard normal inputs drawn on the host: ``jax.random.normal`` compiles a program per shape, which took
+    seconds of each measurement on a 2-core CPU for arrays timed for milliseconds."""
+    return jax.device_put(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
 
 
 def _as_layers(apply, config: ModelConfig):
@@ -336,7 +344,7 @@ class _DispatchWorkload(_Workload):
         config, dtype = self.config, jnp.dtype(self.config.dtype)
         init = Init(config.init, config.init_std, dtype)
         layer = MoE(config.embed_dim, dataclasses.replace(config.moe, dispatch=name), init=init, key=jax.random.key(0))
-        x = jax.random.normal(jax.random.key(1), (1, self.tokens, config.embed_dim), jnp.float32).astype(dtype)
+        x = _normal(np.random.default_rng(1), (1, self.tokens, config.embed_dim), dtype)
         apply = _as_layers(lambda layer, x: layer(x)[0], config)
         return _loss_and_grads(apply, self.training), (_stacked(layer), x)
 
@@ -383,11 +391,10 @@ class _AttentionWorkload(_Workload):
 
     def program(self, name: str):
         dtype, attention = jnp.dtype(self.config.dtype), self.config.attention
-        keys = jax.random.split(jax.random.key(2), 3)
-        shape = (self.rows, self.kv_heads, self.seq)
-        q = jax.random.normal(keys[0], (*shape[:2], self.group, self.seq, self.qk_dim)).astype(dtype)
-        k = jax.random.normal(keys[1], (*shape, self.qk_dim)).astype(dtype)
-        v = jax.random.normal(keys[2], (*shape, self.v_dim)).astype(dtype)
+        rng, shape = np.random.default_rng(2), (self.rows, self.kv_heads, self.seq)
+        q = _normal(rng, (*shape[:2], self.group, self.seq, self.qk_dim), dtype)
+        k = _normal(rng, (*shape, self.qk_dim), dtype)
+        v = _normal(rng, (*shape, self.v_dim), dtype)
         segments = jnp.ones((self.rows, self.seq), jnp.int32)
         mask = attention_mask(segments, segments > 0)
         sinks = jnp.zeros((self.kv_heads, self.group), jnp.float32) if attention.sinks else None
