@@ -3,6 +3,7 @@
     python -m experiments.pretrain                                  # qwen3-moe-micro on the built-in corpus
     python -m experiments.pretrain --override moe.router.top_k=1 moe.router.renormalize=false
     python -m experiments.pretrain --data notes.txt corpus.jsonl --tokenizer tokenizer.json
+    python -m experiments.pretrain --dispatch ragged_dot            # the MoE dispatch backend, as in sft
     python -m experiments.pretrain --steps 2000 --resume            # continue the run in --out-dir
     python -m experiments.pretrain --init-from-hf DIR --import my_router --override moe.router.strategy=mine
 
@@ -24,6 +25,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -53,9 +55,19 @@ from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from experiments._cli import UsageError, check_vocabulary, guarded, replay_stored_arguments
-from experiments.options import MeshOptions, ShapeOptions, StartOptions, TokenizerOption, import_modules
+from experiments.options import (
+    DispatchOption,
+    MeshOptions,
+    ShapeOptions,
+    StartOptions,
+    TokenizerOption,
+    import_modules,
+)
 
-ModelOptions = StartOptions
+
+@dataclass(frozen=True)
+class ModelOptions(DispatchOption, StartOptions):
+    changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch"}
 
 
 @dataclass(frozen=True)
@@ -184,7 +196,7 @@ def model_config(options: ModelOptions, start: ModelConfig | None = None) -> Mod
     """The starting config (:func:`start_config`, or ``start`` when given) with ``--override`` applied; a loaded
     model's parameter shapes must stay as they are."""
     start = start_config(options) if start is None else start
-    config = apply_overrides(start, dict(parse_override(text) for text in options.override))
+    config = options.with_dispatch(apply_overrides(start, dict(parse_override(text) for text in options.override)))
     loaded_from = _loaded_from(options)
     if loaded_from is not None:
         _check_same_parameters(start, config, loaded_from)
