@@ -37,6 +37,7 @@ from eqmoe import Transformer, presets
 from eqmoe.analysis.evaluate import plot_domain_routing, routing_metrics
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.checkpoints.run_metadata import RunMetadata
+from eqmoe.checkpoints.source import folder_tokenizer
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import apply_overrides, architecture_differences, config_to_dict, format_override, parse_override
 from eqmoe.data import ByteTokenizer, PackedDataset, load_tokenizer
@@ -49,7 +50,6 @@ from eqmoe.data.corpus import (
     synthetic_documents,
 )
 from eqmoe.data.hub import resolve_folder
-from eqmoe.data.tokenizer import tokenizer_file
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -119,19 +119,18 @@ def _checkpoint_folder(path: Path) -> Path:
 
 
 def _tokenizer(args: Args):
-    """``--tokenizer``, else the starting model's own (its folder's ``tokenizer.json`` or ``tiktoken.model``, or the
-    one its run recorded), else eqmoe's byte tokenizer."""
+    """``--tokenizer``, else the starting model's own (:func:`eqmoe.checkpoints.source.folder_tokenizer`, as sft and
+    generate find it: its folder's file, or the one its run recorded), else eqmoe's byte tokenizer."""
     options = args.model
     if args.data.tokenizer is not None or _loaded_from(options) is None:
         return load_tokenizer(args.data.tokenizer)
     if options.init_from_hf is not None:
-        folder = resolve_folder(options.init_from_hf)
-        return load_tokenizer(folder, chat=False) if tokenizer_file(folder) is not None else ByteTokenizer()
-    folder = _checkpoint_folder(options.init_from_checkpoint)
-    with Checkpointer(folder, keep_last=None) as checkpointer:
-        recorded = RunMetadata.from_json(checkpointer.metadata(), str(folder))
-    path = recorded.tokenizer_path()
-    return load_tokenizer(path, chat=False) if path is not None else ByteTokenizer()
+        folder, recorded = resolve_folder(options.init_from_hf), None
+    else:
+        folder = _checkpoint_folder(options.init_from_checkpoint)
+        with Checkpointer(folder, keep_last=None) as checkpointer:
+            recorded = RunMetadata.from_json(checkpointer.metadata(), str(folder))
+    return folder_tokenizer(folder, recorded, chat=False, bytes_if_none=True)
 
 
 def start_config(options: ModelOptions) -> ModelConfig:
