@@ -1,12 +1,15 @@
 """``auto`` by measurement: the MoE dispatch and the attention backend a run uses, timed on its own shapes.
 
 Before a run's first compile, each ``"auto"`` execution field (``moe.dispatch``, ``attention.backend``) is
-resolved by timing every eligible registered backend on the run's shapes (one MoE layer, or one attention call,
+resolved by timing every eligible registered backend on the run's shapes (a MoE layer, or an attention call,
 over the tokens of one micro-batch; forward and backward for training): a few calls each after a warm-up call,
-the fastest median wins. A backend is eligible when it can run the config (its own check, a trace that does not
-refuse) and keeps memory in the order of the best: a dispatch backend whose planned activations exceed
+the fastest median wins. Each candidate runs as :data:`LAYERS` layers run as the model runs its layers
+(:func:`_as_layers`: scanned, rematerialised as the config says), so that what it keeps for the backward pass
+costs what it costs in the model. A backend is eligible when it can run the config (its own check, a trace that
+does not refuse) and keeps memory in the order of the best: a dispatch backend whose planned activations exceed
 :data:`MEMORY_FACTOR` times the smallest is not timed, and ``dense`` attention only when a whole row fits in
-one tile (``seq <= block_size``), where it keeps what the blockwise kernel keeps and recomputes nothing.
+one tile (``seq <= block_size``); it keeps the probabilities for the backward pass, which the blockwise kernel
+recomputes.
 
 The choice and its timings are printed in one line per field, cached per (device kind, shapes, dtype,
 candidates) in ``auto_backends.json`` under :func:`eqmoe.cache.cache_root`, and recorded in the run's metadata,
@@ -30,6 +33,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqmoe.cache import cache_root
 from eqmoe.config import ModelConfig
@@ -37,11 +41,17 @@ from eqmoe.nn import splash
 from eqmoe.nn._init import Init
 from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
+from eqmoe.nn.stack import REMAT_POLICIES
 from eqmoe.registries import ATTENTION_BACKENDS, DISPATCH_BACKENDS
 
 ENV = "EQMOE_AUTO"
 MEMORY_FACTOR = 4.0
 REPEATS = 3
+# Layers per timed program. In a layer scan what a layer keeps for the backward pass is written to stacked buffers
+# and read back, which one call alone does not pay: on the sft quickstart's shapes dense attention took 0.84-0.93x
+# blockwise's time alone, 1.3-1.75x in a scan of two, and made the whole train step 1.13-1.20x slower. Two layers are
+# the fewest that keep it as the model does.
+LAYERS = 2
 DISPATCH, ATTENTION = "moe.dispatch", "attention.backend"
 TILES, BLOCK = "moe.tiles", "attention.block_size"  # set beside a kernel chosen at one of its tilings
 # The grouped-matmul tilings timed on a TPU (rows, in, out): MaxText's default first, then what came close on one v5e
@@ -273,6 +283,51 @@ def _write_cache(path: Path, entries: dict) -> None:
         print(f"auto: could not write {path} ({error})", file=sys.stderr)
 
 
+def _stacked(tree, layers: int = LAYERS):
+    """``layers`` copies of ``tree``'s array leaves along a new leading axis, one per layer as the model stacks
+    them (stacked on the host: an eager stack would compile a program per shape)."""
+    return jax.tree.map(lambda x: jax.device_put(np.stack([np.asarray(x)] * layers)) if eqx.is_array(x) else x, tree)
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Standard normal inputs drawn on the host: ``jax.random.normal`` compiles a program per shape, which took
+    seconds of each measurement on a 2-core CPU for arrays timed for milliseconds."""
+    return jax.device_put(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+def _as_layers(apply, config: ModelConfig):
+    """``apply(differentiable, *rest)`` over each layer of a :func:`_stacked` ``differentiable`` as the model runs
+    its layers (:class:`eqmoe.nn.stack.RepeatedUnit`): in a ``lax.scan``, or a Python loop with
+    ``scan_layers=False``, each layer recomputed in the backward pass with ``remat="block"``. Returns the layers'
+    outputs stacked."""
+
+    def run(stacked, *rest):
+        params, static = eqx.partition(stacked, eqx.is_array)
+
+        def layer(carry, layer_params):
+            return carry, apply(eqx.combine(layer_params, static), *rest)
+
+        policy = REMAT_POLICIES.get(config.remat)
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy)
+        if config.scan_layers:
+            return jax.lax.scan(layer, None, params)[1]
+        count = len(jax.tree.leaves(params)[0])
+        return jnp.stack([layer(None, jax.tree.map(lambda x, i=i: x[i], params))[1] for i in range(count)])
+
+    return run
+
+
+def _layers_text(config: ModelConfig) -> str:
+    how = "scanned" if config.scan_layers else "unrolled"
+    return f"{LAYERS} {how} layers" + (f", remat {config.remat}" if REMAT_POLICIES.get(config.remat) else "")
+
+
+def _layers_key(config: ModelConfig) -> dict:
+    """How the timed layers ran, in the cache key: a choice measured another way is measured again."""
+    return {"layers": LAYERS, "scan_layers": config.scan_layers, "remat": config.remat}
+
+
 def _loss_and_grads(apply, training: bool):
     """``apply(differentiable, *rest)`` as a jitted forward, or forward + backward of a fixed linear loss."""
     if not training:
@@ -293,7 +348,7 @@ class _DispatchWorkload(_Workload):
         moe = config.moe
         self.description = (
             f"{tokens} tokens x {config.embed_dim}, {moe.router.num_experts} experts top-{moe.router.top_k} of width "
-            f"{moe.expert_dim}, {config.dtype}, {'forward+backward' if training else 'forward'}"
+            f"{moe.expert_dim}, {config.dtype}, {_layers_text(config)}, {'forward+backward' if training else 'forward'}"
         )
         self.key = {
             "tokens": tokens,
@@ -310,6 +365,7 @@ class _DispatchWorkload(_Workload):
             "block_size": moe.block_size,
             "dtype": config.dtype,
             "training": training,
+            **_layers_key(config),
         }
 
     def candidates(self) -> tuple[str, ...]:
@@ -353,8 +409,9 @@ class _DispatchWorkload(_Workload):
         if tiles is not None:
             moe = dataclasses.replace(moe, tiles=tuple(int(t) for t in tiles.split(",")))
         layer = MoE(config.embed_dim, moe, init=init, key=jax.random.key(0))
-        x = jax.random.normal(jax.random.key(1), (1, self.tokens, config.embed_dim), jnp.float32).astype(dtype)
-        return _loss_and_grads(lambda layer, x: layer(x)[0], self.training), (layer, x)
+        x = _normal(np.random.default_rng(1), (1, self.tokens, config.embed_dim), dtype)
+        apply = _as_layers(lambda layer, x: layer(x)[0], config)
+        return _loss_and_grads(apply, self.training), (_stacked(layer), x)
 
 
 class _AttentionWorkload(_Workload):
@@ -370,7 +427,8 @@ class _AttentionWorkload(_Workload):
         self.v_dim = latent.value_dim if latent is not None else attention.head_dim
         self.description = (
             f"{rows} x {seq} tokens, {attention.num_heads} heads over {self.kv_heads} key/value heads of "
-            f"{self.qk_dim}/{self.v_dim}, {config.dtype}, {'forward+backward' if training else 'forward'}"
+            f"{self.qk_dim}/{self.v_dim}, {config.dtype}, {_layers_text(config)}, "
+            f"{'forward+backward' if training else 'forward'}"
         )
         self.key = {
             "rows": rows,
@@ -383,6 +441,7 @@ class _AttentionWorkload(_Workload):
             "block_size": attention.block_size,
             "dtype": config.dtype,
             "training": training,
+            **_layers_key(config),
         }
 
     def candidates(self) -> tuple[str, ...]:
@@ -408,11 +467,10 @@ class _AttentionWorkload(_Workload):
         name, block = _unlabel(label)
         dtype, attention = jnp.dtype(self.config.dtype), self.config.attention
         block_size = attention.block_size if block is None else int(block)
-        keys = jax.random.split(jax.random.key(2), 3)
-        shape = (self.rows, self.kv_heads, self.seq)
-        q = jax.random.normal(keys[0], (*shape[:2], self.group, self.seq, self.qk_dim)).astype(dtype)
-        k = jax.random.normal(keys[1], (*shape, self.qk_dim)).astype(dtype)
-        v = jax.random.normal(keys[2], (*shape, self.v_dim)).astype(dtype)
+        rng, shape = np.random.default_rng(2), (self.rows, self.kv_heads, self.seq)
+        q = _normal(rng, (*shape[:2], self.group, self.seq, self.qk_dim), dtype)
+        k = _normal(rng, (*shape, self.qk_dim), dtype)
+        v = _normal(rng, (*shape, self.v_dim), dtype)
         segments = jnp.ones((self.rows, self.seq), jnp.int32)
         mask = attention_mask(segments, segments > 0)
         sinks = jnp.zeros((self.kv_heads, self.group), jnp.float32) if attention.sinks else None
@@ -424,4 +482,4 @@ class _AttentionWorkload(_Workload):
             scale = self.qk_dim**-0.5
             return backend(q, k, v, mask, scale=scale, block_size=block_size, window=None, **extra)
 
-        return _loss_and_grads(apply, self.training), ((q, k, v), mask)
+        return _loss_and_grads(_as_layers(apply, self.config), self.training), (_stacked((q, k, v)), mask)

@@ -3,6 +3,7 @@
 shows the fields flat) and sets its own defaults by instantiating it. ``tests/test_shared_options.py`` walks
 every command's parser to hold this."""
 
+import dataclasses
 import importlib
 import json
 import traceback
@@ -81,6 +82,23 @@ class DispatchOption:
     dispatch: str | None = None
     """MoE dispatch backend: auto or one registered in eqmoe.nn.dispatch.BACKENDS (dense, sorted, ragged_dot,
     capacity; default: the model's own)."""
+
+    def with_dispatch(self, config):
+        """``config`` with ``--dispatch`` (as it is without one); a one-line ``UsageError`` for a model without MoE
+        layers or a backend that is not registered."""
+        from eqmoe.registries import check_names
+        from experiments._cli import UsageError
+
+        if self.dispatch is None:
+            return config
+        if config.moe is None:
+            raise UsageError("--dispatch: the model has no MoE layers")
+        try:
+            config = config.replace(moe=dataclasses.replace(config.moe, dispatch=self.dispatch))
+            check_names(config)  # a backend is looked up by name: refuse an unregistered one at the start
+        except ValueError as error:
+            raise UsageError(f"--dispatch: {error}") from None
+        return config
 
 
 @dataclass(frozen=True)

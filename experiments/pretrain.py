@@ -3,6 +3,7 @@
     python -m experiments.pretrain                                  # qwen3-moe-micro on the built-in corpus
     python -m experiments.pretrain --override moe.router.top_k=1 moe.router.renormalize=false
     python -m experiments.pretrain --data notes.txt corpus.jsonl --tokenizer tokenizer.json
+    python -m experiments.pretrain --dispatch ragged_dot            # the MoE dispatch backend, as in sft
     python -m experiments.pretrain --steps 2000 --resume            # continue the run in --out-dir
     python -m experiments.pretrain --init-from-hf DIR --import my_router --override moe.router.strategy=mine
 
@@ -24,6 +25,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -35,6 +37,7 @@ from eqmoe import Transformer, presets
 from eqmoe.analysis.evaluate import plot_domain_routing, routing_metrics
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.checkpoints.run_metadata import RunMetadata
+from eqmoe.checkpoints.source import folder_tokenizer
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import apply_overrides, architecture_differences, config_to_dict, format_override, parse_override
 from eqmoe.data import ByteTokenizer, PackedDataset, load_tokenizer
@@ -47,15 +50,24 @@ from eqmoe.data.corpus import (
     synthetic_documents,
 )
 from eqmoe.data.hub import resolve_folder
-from eqmoe.data.tokenizer import tokenizer_file
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from experiments._cli import UsageError, check_vocabulary, guarded, replay_stored_arguments
-from experiments.options import MeshOptions, ShapeOptions, StartOptions, TokenizerOption, import_modules
+from experiments.options import (
+    DispatchOption,
+    MeshOptions,
+    ShapeOptions,
+    StartOptions,
+    TokenizerOption,
+    import_modules,
+)
 
-ModelOptions = StartOptions
+
+@dataclass(frozen=True)
+class ModelOptions(DispatchOption, StartOptions):
+    changeable_on_resume: ClassVar[frozenset[str]] = StartOptions.changeable_on_resume | {"dispatch"}
 
 
 @dataclass(frozen=True)
@@ -107,19 +119,18 @@ def _checkpoint_folder(path: Path) -> Path:
 
 
 def _tokenizer(args: Args):
-    """``--tokenizer``, else the starting model's own (its folder's ``tokenizer.json`` or ``tiktoken.model``, or the
-    one its run recorded), else eqmoe's byte tokenizer."""
+    """``--tokenizer``, else the starting model's own (:func:`eqmoe.checkpoints.source.folder_tokenizer`, as sft and
+    generate find it: its folder's file, or the one its run recorded), else eqmoe's byte tokenizer."""
     options = args.model
     if args.data.tokenizer is not None or _loaded_from(options) is None:
         return load_tokenizer(args.data.tokenizer)
     if options.init_from_hf is not None:
-        folder = resolve_folder(options.init_from_hf)
-        return load_tokenizer(folder, chat=False) if tokenizer_file(folder) is not None else ByteTokenizer()
-    folder = _checkpoint_folder(options.init_from_checkpoint)
-    with Checkpointer(folder, keep_last=None) as checkpointer:
-        recorded = RunMetadata.from_json(checkpointer.metadata(), str(folder))
-    path = recorded.tokenizer_path()
-    return load_tokenizer(path, chat=False) if path is not None else ByteTokenizer()
+        folder, recorded = resolve_folder(options.init_from_hf), None
+    else:
+        folder = _checkpoint_folder(options.init_from_checkpoint)
+        with Checkpointer(folder, keep_last=None) as checkpointer:
+            recorded = RunMetadata.from_json(checkpointer.metadata(), str(folder))
+    return folder_tokenizer(folder, recorded, chat=False, bytes_if_none=True)
 
 
 def start_config(options: ModelOptions) -> ModelConfig:
@@ -184,7 +195,7 @@ def model_config(options: ModelOptions, start: ModelConfig | None = None) -> Mod
     """The starting config (:func:`start_config`, or ``start`` when given) with ``--override`` applied; a loaded
     model's parameter shapes must stay as they are."""
     start = start_config(options) if start is None else start
-    config = apply_overrides(start, dict(parse_override(text) for text in options.override))
+    config = options.with_dispatch(apply_overrides(start, dict(parse_override(text) for text in options.override)))
     loaded_from = _loaded_from(options)
     if loaded_from is not None:
         _check_same_parameters(start, config, loaded_from)

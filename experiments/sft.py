@@ -56,7 +56,6 @@ from eqmoe.data.chat import message_text
 from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import add_lora, merge_lora
 from eqmoe.nn.fp8 import held_bytes
-from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
@@ -85,17 +84,7 @@ def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
         config = apply_overrides(config, dict(parse_override(text) for text in options.override))
     except ValueError as error:
         raise UsageError(f"--override: {error}") from None
-    config = config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
-    if options.dispatch is None:
-        return config
-    if config.moe is None:
-        raise UsageError("--dispatch: the model has no MoE layers")
-    try:
-        config = config.replace(moe=dataclasses.replace(config.moe, dispatch=options.dispatch))
-        check_names(config)  # a backend is looked up by name: refuse an unregistered one at the start
-        return config
-    except ValueError as error:
-        raise UsageError(f"--dispatch: {error}") from None
+    return options.with_dispatch(config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat))
 
 
 @dataclass(frozen=True)

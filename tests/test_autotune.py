@@ -5,6 +5,7 @@ import dataclasses
 import json
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -157,3 +158,21 @@ def test_a_candidate_that_runs_out_of_memory_is_skipped_and_named(only_slow_and_
     resolved = autotune.resolve(_config(), rows=1, seq=32, cache=tmp_path / "a.json", report=lambda line: None)
     assert resolved.choices == {"moe.dispatch": "fast"}
     assert resolved.measurements[0].skipped == {"deliberately_slow": "out of memory"}
+
+
+@pytest.mark.parametrize(("scan_layers", "remat"), [(True, "none"), (False, "none"), (True, "block")])
+def test_candidates_run_as_the_models_layers_run(scan_layers, remat):
+    """What a backend keeps for the backward pass crosses the layer scan in the model (dense attention's
+    probabilities made the sft quickstart's step 1.15x slower though one call alone was faster), so each candidate
+    runs as the model's layers: scanned or unrolled, recomputed or not, and is cached apart by how it ran."""
+    config = presets.get("qwen3-moe-micro").replace(scan_layers=scan_layers, remat=remat)
+    for workload in (
+        autotune._AttentionWorkload(config, rows=2, seq=32, training=False),  # forward: the remat is still there
+        autotune._DispatchWorkload(config, tokens=64, training=False),
+    ):
+        function, arguments = workload.program("dense")
+        jaxpr = str(eqx.filter_make_jaxpr(function)(*arguments)[0])
+        assert (" scan[" in jaxpr) == scan_layers and ("remat" in jaxpr) == (remat == "block"), workload.field
+        assert all(leaf.shape[0] == autotune.LAYERS for leaf in jax.tree.leaves(arguments[0]))
+        assert f"{autotune.LAYERS} {'scanned' if scan_layers else 'unrolled'} layers" in workload.description
+        assert (workload.key["layers"], workload.key["scan_layers"], workload.key["remat"]) == (2, scan_layers, remat)

@@ -133,18 +133,24 @@ def test_sft_resumes_with_another_remat_and_dispatch(runs, tmp_path):
         assert (config["remat"], config["moe"]["dispatch"]) == ("block", "dense")
 
 
-def test_sft_dispatch_option_is_validated():
+def test_the_dispatch_option_is_validated_in_sft_and_pretrain():
     config = sft.execution_config(MICRO, sft.ModelOptions(dispatch="dense"))
     assert config.moe.dispatch == "dense" and config.param_dtype == "float32"
-    with pytest.raises(UsageError, match=r"--dispatch: .*dispatch='fast' is invalid; allowed: .*dense.*sorted"):
+    refused = r"--dispatch: .*dispatch='fast' is invalid; allowed: .*dense.*sorted"
+    with pytest.raises(UsageError, match=refused):
         sft.execution_config(MICRO, sft.ModelOptions(dispatch="fast"))
+    # --dispatch is applied after --override, as in sft
+    options = pretrain.ModelOptions(dispatch="dense", override=("moe.dispatch=sorted",))
+    assert pretrain.model_config(options).moe.dispatch == "dense"
+    with pytest.raises(UsageError, match=refused):
+        pretrain.model_config(pretrain.ModelOptions(dispatch="fast"))
 
 
-def _pretrain(out_dir, steps, *override, resume=False):
+def _pretrain(out_dir, steps, *override, resume=False, dispatch=None):
     return pretrain.Args(
         data=pretrain.DataOptions(seq_len=64, batch_size=4, chars_per_domain=6_000, eval_chars_per_domain=1_500),
         run=pretrain.RunOptions(steps=steps, out_dir=out_dir, checkpoint_every=2, eval_every=100, resume=resume),
-        model=pretrain.ModelOptions(override=override),
+        model=pretrain.ModelOptions(override=override, dispatch=dispatch),
     )
 
 
@@ -167,3 +173,6 @@ def test_pretrain_resume_takes_new_execution_and_loss_overrides_and_refuses_anot
         "block",
         0.01,
     )
+    # --dispatch may change on resume too, and wins over the stored --override
+    resumed = pretrain.replay_stored_arguments(_pretrain(out, 6, resume=True, dispatch="sorted"), pretrain.Args())
+    assert resumed.model.override == new and pretrain.model_config(resumed.model).moe.dispatch == "sorted"

@@ -356,6 +356,21 @@ def test_commands_pick_a_model_folders_tiktoken_tokenizer(folder, tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'empty'}: {looked}")):
         check_logits._tokenizer_path(check_logits.Args(hf=folder, tokenizer=tmp_path / "empty"))
 
+    # From a checkpoint whose run recorded its tokenizer, pretrain finds it by sft's rule, and names one that moved
+    # (it used to fall back to bytes without a word)
+    from eqmoe import presets
+    from eqmoe.checkpoints.orbax import Checkpointer
+    from eqmoe.checkpoints.run_metadata import RunMetadata
+
+    for name, recorded in (("ckpt", folder), ("moved", tmp_path / "gone")):
+        with Checkpointer(tmp_path / name) as checkpointer:
+            metadata = RunMetadata(presets.get("qwen3-moe-micro"), tokenizer=str(recorded))
+            checkpointer.save(0, {"x": np.zeros(1)}, metadata.to_json())
+    start = lambda name: pretrain.Args(model=pretrain.ModelOptions(init_from_checkpoint=tmp_path / name))  # noqa: E731
+    assert pretrain._tokenizer(start("ckpt")).path == str(folder / "tiktoken.model")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'gone'}: tokenizer not found")):
+        pretrain._tokenizer(start("moved"))
+
     # convert --hf: the folder's tiktoken.model is the tokenizer checked against the vocabulary; a --tokenizer that
     # is one brings its own tokenizer_config.json (its special tokens) and tokenization code in place of the source's
     names = {path.name for path in convert._side_files(folder, None, BASE + 256)}

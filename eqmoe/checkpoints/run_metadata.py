@@ -7,7 +7,6 @@ when one is wrong. Keys it does not know (written by a newer eqmoe) are kept, un
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from eqmoe.checkpoints.base import BaseModel
@@ -121,7 +120,3 @@ class RunMetadata:
             return LoRAConfig(**{**self.lora, "targets": tuple(self.lora["targets"])})
         except (TypeError, KeyError, ValueError) as error:
             raise ValueError(f"{where}: the checkpoint's LoRA settings are invalid ({error})") from None
-
-    def tokenizer_path(self) -> Path | None:
-        """The recorded tokenizer, when it still exists."""
-        return Path(self.tokenizer) if self.tokenizer is not None and Path(self.tokenizer).exists() else None

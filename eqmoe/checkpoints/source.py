@@ -61,21 +61,46 @@ def source_tokenizer(
     template_vars: dict | None = None,
     bytes_if_none: bool = False,
 ) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer to read and write ``source``'s text with (see the module docstring), with the chat template
-    and variables given or else those the run recorded. ``bytes_if_none``: eqmoe's byte tokenizer when nothing
-    names one (else a ``FileNotFoundError`` saying to pass ``--tokenizer``)."""
-    recorded = source.metadata
-    variables = {**(recorded.template_vars if recorded else {}), **(template_vars or {})}
-    if chat_template is None and recorded is not None and recorded.chat_template:
-        chat_template = recorded.chat_template
+    """The tokenizer to read and write ``source``'s text with: :func:`folder_tokenizer` of its folder and record."""
+    return folder_tokenizer(
+        source.folder,
+        source.metadata,
+        tokenizer,
+        chat=chat,
+        chat_template=chat_template,
+        template_vars=template_vars,
+        bytes_if_none=bytes_if_none,
+    )
+
+
+def folder_tokenizer(
+    folder: Path,
+    recorded: RunMetadata | None,
+    tokenizer: str | os.PathLike | None = None,
+    *,
+    chat: bool = True,
+    chat_template: str | os.PathLike | None = None,
+    template_vars: dict | None = None,
+    bytes_if_none: bool = False,
+) -> HFTokenizer | ByteTokenizer:
+    """The tokenizer of the model in ``folder`` whose run recorded ``recorded`` (``None``: a Hugging Face folder),
+    found without reading the model (see the module docstring), with the chat template and variables given or else
+    those the run recorded (with ``chat`` only: text read without a template needs none, so a moved template file
+    does not stop it). ``bytes_if_none``: eqmoe's byte tokenizer when nothing names one (else a
+    ``FileNotFoundError`` saying to pass ``--tokenizer``)."""
+    variables = dict(template_vars or {})
+    if chat and recorded is not None:
+        variables = {**recorded.template_vars, **variables}
+        if chat_template is None and recorded.chat_template:
+            chat_template = recorded.chat_template
     path = None if tokenizer is None else resolve_folder(tokenizer, files="tokenizer")
-    if path is None and tokenizer_file(source.folder) is not None:
-        path = source.folder
+    if path is None and tokenizer_file(folder) is not None:
+        path = folder
     if path is None and recorded is not None and recorded.tokenizer is not None:
         path = Path(recorded.tokenizer)
     if path is None and not (bytes_if_none or (recorded is not None and recorded.bytes_tokenizer)):
         raise FileNotFoundError(
-            f"{source.folder}: no tokenizer in this folder (looked for {' and '.join(TOKENIZER_FILE_NAMES)}; "
+            f"{folder}: no tokenizer in this folder (looked for {' and '.join(TOKENIZER_FILE_NAMES)}; "
             "pass --tokenizer DIR or a tokenizer file)"
         )
     if path is not None and not path.exists():
