@@ -2,7 +2,7 @@
 
     python -m experiments.bench_tpu                       # every row (on a TPU v5e: about 5 minutes)
     python -m experiments.bench_tpu --rows mixtral qwen3  # some rows
-    python -m experiments.bench_tpu --json bench_tpu.json
+    python -m experiments.bench_tpu --json-out bench_tpu.json
 
 Each row is a model sized for one 16 GiB chip at a published model's proportions (4 layers or more, a 32,000-token
 vocabulary), trained with AdamW in bfloat16 compute over float32 parameters on random tokens. ``auto`` chooses the
@@ -39,14 +39,14 @@ VOCAB = 32000
 class Args:
     rows: tuple[str, ...] = ("mixtral", "qwen3", "deepseek", "gpt_oss", "qwen3_next")
     """Rows to run: mixtral qwen3 deepseek gpt_oss qwen3_next."""
-    batch: int = 8
-    """Sequences of 2048 tokens per step."""
+    batch_size: int = 8
+    """Rows per batch (per optimizer step in training; the global batch on a mesh)."""
     steps: int = 6
     """Timed steps per row (after one compiling step and one warm-up step)."""
     peak_tflops: float | None = None
     """The chip's peak (default: its specified bf16 peak, eqmoe.flops.SPECIFIED_PEAKS)."""
-    json: Path | None = None
-    """Also write the table here as JSON."""
+    json_out: Path | None = None
+    """Also write the results to this JSON file."""
 
 
 def _configs():
@@ -334,19 +334,19 @@ def main(args: Args) -> None:
         config = configs[name]
         print(f"== {name}", file=sys.stderr)
         try:
-            row = _train_row(config, args.batch, args.steps)
+            row = _train_row(config, args.batch_size, args.steps)
             row["mfu"] = row["model_tflops"] / peak
             used = row.pop("config")
-            row["attention"] = _attention_ceiling(used, args.batch)
-            row["moe"] = _moe_ceiling(used, args.batch)
+            row["attention"] = _attention_ceiling(used, args.batch_size)
+            row["moe"] = _moe_ceiling(used, args.batch_size)
         except Exception as error:  # a row that fails is a result: its line says why, the others still run
             row = {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"}
         row["row"] = name
         results.append(row)
         print(_line(row), flush=True)
     summary = {"device": device.device_kind, "peak_tflops": peak, "matmul_tflops": matmul, "rows": results}
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=1, default=str))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(summary, indent=1, default=str))
 
 
 def _line(row: dict) -> str:

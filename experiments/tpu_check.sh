@@ -67,7 +67,7 @@ fi
 
 if wants bench; then
     # shellcheck disable=SC2086  # extra flags, e.g. --rows mixtral qwen3
-    timed bench "$python" -m experiments.bench_tpu --json "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:-}
+    timed bench "$python" -m experiments.bench_tpu --json-out "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:-}
     row "bench_tpu" "exit $?" "see below"
 fi
 
