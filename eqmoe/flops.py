@@ -90,7 +90,7 @@ def specified_peak_tflops(device_kind: str, dtype: str) -> float | None:
 def device_peak_tflops(dtype: str, device=None) -> tuple[float, str]:
     """``(TFLOP/s, where it comes from)`` for MFU: the device's specified peak for ``dtype``, else its matmul rate in
     ``dtype`` measured now (a CPU, or a device kind not in the table)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     specified = specified_peak_tflops(device.device_kind, dtype)
     if specified is not None:
         return specified, f"{device.device_kind} {jnp.dtype(dtype).name} peak by specification"

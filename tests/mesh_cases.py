@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -200,6 +201,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_together(processes, stderr_files, timeout: float) -> None:
+    """Waits for every process; one that fails ends the others at once (they would wait on it in a collective) and
+    its error is the assertion's message."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in processes):
+            break
+        time.sleep(0.5)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
+    errors = [path.read_text() for path in stderr_files]
+    for i, (process, err) in enumerate(zip(processes, errors, strict=True)):
+        assert process.returncode == 0, f"process {i} (of {len(processes)}): {err[-3000:]}"
+
+
 def test_two_processes_match_one(tmp_path):
     from experiments import sft
 
@@ -214,15 +233,12 @@ def test_two_processes_match_one(tmp_path):
             [*command, f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
             cwd=ROOT,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / f"stderr{i}").open("w"),  # a file: a full pipe no one reads would stall the process
         )
         for i in range(2)
     ]
-    outputs = [process.communicate(timeout=300) for process in processes]
-    for process, (_, err) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, err[-3000:]
+    _wait_together(processes, [tmp_path / f"stderr{i}" for i in range(2)], timeout=300)
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     args = sft.Args(
         data=dataclasses.replace(

@@ -53,7 +53,7 @@ def device_memory(stated_gib: float | None) -> float | None:
     """Bytes a device has for a step: ``stated_gib``, else what the device reports (``None``: it reports none)."""
     if stated_gib is not None:
         return stated_gib * GIB
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()  # another process's device reports nothing here
     return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
