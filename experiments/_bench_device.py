@@ -45,6 +45,7 @@ def matmul_peak_gflops(size: int, dtype: str, repeats: int = 5) -> float:
 SETTLE_S = 0.25
 """Idle seconds after every timed call while torch runs on the CPU: its OpenMP workers keep spinning on the
 cores for a while after a call returns, and the call timed next would share the machine with them."""
+CALL_SECONDS = 0.08
 
 
 def matmul_rates_gflops(
@@ -52,12 +53,12 @@ def matmul_rates_gflops(
 ) -> dict:
     """GFLOP/s of one ``[rows, inner] @ [inner, cols]`` product in ``dtype`` by each framework's own kernel: XLA's
     (``jnp.dot``, what eqmoe's matmuls run) and torch's (``torch.mm`` on ``device``, what transformers' run). Each
-    is the median of ``repeats`` timed calls of 20 GFLOP of back-to-back products each, after a warm-up call
-    and ``settle_s`` idle seconds (:data:`SETTLE_S`)."""
+    is the median of ``repeats`` timed calls of back-to-back products, as many as take about
+    :data:`CALL_SECONDS` (so that the dispatch of each product is a small share), after a warm-up call and
+    ``settle_s`` idle seconds (:data:`SETTLE_S`)."""
     import torch
 
     flop = 2 * rows * inner * cols
-    products = max(1, int(2e10 // flop))  # ~80 ms a call on this CPU: the dispatch of each product is a small share
     rng = np.random.default_rng(0)
     left, right = (rng.standard_normal(shape, np.float32) for shape in ((rows, inner), (inner, cols)))
     ours = jax.jit(jnp.dot)
@@ -65,6 +66,11 @@ def matmul_rates_gflops(
     theirs_args = tuple(torch.from_numpy(a).to(device, getattr(torch, dtype)) for a in (left, right))
 
     def rate(product, args) -> float:
+        # counted by time, not by FLOPs: a fixed 20 GFLOP took 4 s a call for a [16 x 32] @ [32 x 64] product
+        finish(product(*args))
+        one = min(_seconds(lambda: finish(product(*args))) for _ in range(3))
+        products = max(1, min(100_000, round(CALL_SECONDS / max(one, 1e-7))))
+
         def call():
             for _ in range(products):
                 result = product(*args)
@@ -80,6 +86,12 @@ def matmul_rates_gflops(
         return flop * products / statistics.median(times) / 1e9
 
     return {"jnp_dot_gflops": rate(ours, ours_args), "torch_mm_gflops": rate(torch.mm, theirs_args)}
+
+
+def _seconds(function: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
 def interleaved(
