@@ -123,7 +123,8 @@ def _free_compiled_programs():
     Linux's default limit of 65,530 (``vm.max_map_count``) and the next compile segfaults.
     """
     yield
-    if MAPPINGS.exists() and MAPPINGS.read_bytes().count(b"\n") > 40_000:  # 25,000 below the limit: room for one test's programs
+    # 25,000 below the limit: room for the programs of the next test
+    if MAPPINGS.exists() and MAPPINGS.read_bytes().count(b"\n") > 40_000:
         import jax
 
         jax.clear_caches()
