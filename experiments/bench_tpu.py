@@ -16,8 +16,8 @@ Beside each row, its ceilings, each timed forward + backward in the same process
   keys and values, and eqmoe's ``splash`` backend on the same (the backend's cost over the kernel's: mask handling,
   layout);
 - ``gmm``: the bare megablox kernel's three expert products on rows sorted by expert at the best of
-  :data:`eqmoe.autotune.GMM_TILES`, and at the tiles the row runs with; then the whole MoE layer (router, sorting,
-  gathers, products, combine) at those tiles, over the products alone;
+  :data:`eqmoe.autotune.workloads.GMM_TILES`, and at the tiles the row runs with; then the whole MoE layer (router,
+  sorting, gathers, products, combine) at those tiles, over the products alone;
 - ``peak``: an 8192^3 bf16 matmul.
 """
 
@@ -261,7 +261,7 @@ def _moe_ceiling(config, batch: int) -> dict:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    from eqmoe.autotune import GMM_TILES
+    from eqmoe.autotune.workloads import GMM_TILES
     from eqmoe.nn import megablox
     from eqmoe.nn._init import Init
     from eqmoe.nn.moe import MoE

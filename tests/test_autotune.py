@@ -12,6 +12,7 @@ import pytest
 from jax.experimental import io_callback
 
 from eqmoe import autotune, presets
+from eqmoe.autotune import timing, workloads
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.nn import dispatch
 from eqmoe.registries import ATTENTION_BACKENDS, DISPATCH_BACKENDS
@@ -64,7 +65,7 @@ def test_auto_times_the_candidates_picks_the_fast_one_caches_it_and_a_forced_nam
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached choice is not timed again")
 
-    monkeypatch.setattr(autotune, "_time", no_timing)
+    monkeypatch.setattr(timing, "time_calls", no_timing)
     again = autotune.resolve(_config(), rows=2, seq=32, cache=cache, report=lines.append)
     assert again.choices == {"moe.dispatch": "fast"} and again.measurements[0].how == "cached"
     assert "(cached on 64 tokens" in lines[1]
@@ -80,7 +81,7 @@ def test_auto_times_the_candidates_picks_the_fast_one_caches_it_and_a_forced_nam
 
 
 def test_rule_mode_and_meshes_time_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(autotune, "_time", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(timing, "time_calls", lambda *a, **k: pytest.fail("timed"))
     monkeypatch.setenv(autotune.ENV, "rule")
     config = presets.get("qwen3-moe-micro")
     ruled = autotune.resolve(config, rows=2, seq=32, cache=tmp_path / "a.json", report=lambda line: None)
@@ -99,14 +100,14 @@ def test_rule_mode_and_meshes_time_nothing(tmp_path, monkeypatch):
 
 def test_eligibility_keeps_memory_in_the_order_of_the_best():
     config = presets.get("qwen3-moe-micro")  # block_size 256
-    one_tile = autotune._AttentionWorkload(config, rows=2, seq=256, training=True)
-    longer = autotune._AttentionWorkload(config, rows=2, seq=257, training=True)
+    one_tile = workloads.AttentionWorkload(config, rows=2, seq=256, training=True)
+    longer = workloads.AttentionWorkload(config, rows=2, seq=257, training=True)
     names = tuple(ATTENTION_BACKENDS.names())
     assert one_tile.eligible("dense", names) is None and one_tile.eligible("blockwise", names) is None
     assert "quadratic memory" in longer.eligible("dense", names)
     assert "plain causal" in one_tile.eligible("cudnn", names)
     many = dataclasses.replace(config.moe, router=dataclasses.replace(config.moe.router, num_experts=64))
-    workload = autotune._DispatchWorkload(dataclasses.replace(config, moe=many), tokens=4096, training=True)
+    workload = workloads.DispatchWorkload(dataclasses.replace(config, moe=many), tokens=4096, training=True)
     names = tuple(DISPATCH_BACKENDS.names())
     assert "activations of the leanest" in workload.eligible("dense", names)  # every expert on every token
     assert workload.eligible("sorted", names) is None
@@ -124,9 +125,9 @@ def test_a_run_records_its_choice_and_a_resume_takes_it_again(tmp_path, monkeypa
     monkeypatch.setenv(autotune.ENV, "measure")
     # Timing is the first test's business: here every candidate costs the same, so the first registered one wins,
     # and none is built.
-    monkeypatch.setattr(autotune._DispatchWorkload, "program", lambda self, name: (None, ()))
-    monkeypatch.setattr(autotune._AttentionWorkload, "program", lambda self, name: (None, ()))
-    monkeypatch.setattr(autotune, "_time", lambda function, arguments, best: 1e-3)
+    monkeypatch.setattr(workloads.DispatchWorkload, "program", lambda self, name: (None, ()))
+    monkeypatch.setattr(workloads.AttentionWorkload, "program", lambda self, name: (None, ()))
+    monkeypatch.setattr(timing, "time_calls", lambda function, arguments, best: 1e-3)
     out = tmp_path / "run"
     pretrain.run(_pretrain(out, 1))
     err = capsys.readouterr().err
@@ -138,7 +139,7 @@ def test_a_run_records_its_choice_and_a_resume_takes_it_again(tmp_path, monkeypa
 
     (tmp_path / "cache").mkdir()
     monkeypatch.setenv("EQMOE_CACHE", str(tmp_path / "cache"))  # a fresh cache: only the record can answer
-    monkeypatch.setattr(autotune, "_time", lambda *a, **k: pytest.fail("a resumed run is not timed again"))
+    monkeypatch.setattr(timing, "time_calls", lambda *a, **k: pytest.fail("a resumed run is not timed again"))
     pretrain.run(_pretrain(out, 2, resume=True))
     err = capsys.readouterr().err
     assert "auto moe.dispatch -> 'dense' (recorded by the run)" in err
@@ -149,9 +150,9 @@ def test_a_candidate_that_runs_out_of_memory_is_skipped_and_named(only_slow_and_
     def exhausted(*arguments):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 34468940112 bytes.")
 
-    real = autotune._DispatchWorkload.program
+    real = workloads.DispatchWorkload.program
     monkeypatch.setattr(
-        autotune._DispatchWorkload,
+        workloads.DispatchWorkload,
         "program",
         lambda self, name: (exhausted, ()) if name == "deliberately_slow" else real(self, name),
     )
@@ -167,12 +168,12 @@ def test_candidates_run_as_the_models_layers_run(scan_layers, remat):
     runs as the model's layers: scanned or unrolled, recomputed or not, and is cached apart by how it ran."""
     config = presets.get("qwen3-moe-micro").replace(scan_layers=scan_layers, remat=remat)
     for workload in (
-        autotune._AttentionWorkload(config, rows=2, seq=32, training=False),  # forward: the remat is still there
-        autotune._DispatchWorkload(config, tokens=64, training=False),
+        workloads.AttentionWorkload(config, rows=2, seq=32, training=False),  # forward: the remat is still there
+        workloads.DispatchWorkload(config, tokens=64, training=False),
     ):
         function, arguments = workload.program("dense")
         jaxpr = str(eqx.filter_make_jaxpr(function)(*arguments)[0])
         assert (" scan[" in jaxpr) == scan_layers and ("remat" in jaxpr) == (remat == "block"), workload.field
-        assert all(leaf.shape[0] == autotune.LAYERS for leaf in jax.tree.leaves(arguments[0]))
-        assert f"{autotune.LAYERS} {'scanned' if scan_layers else 'unrolled'} layers" in workload.description
+        assert all(leaf.shape[0] == workloads.LAYERS for leaf in jax.tree.leaves(arguments[0]))
+        assert f"{workloads.LAYERS} {'scanned' if scan_layers else 'unrolled'} layers" in workload.description
         assert (workload.key["layers"], workload.key["scan_layers"], workload.key["remat"]) == (2, scan_layers, remat)

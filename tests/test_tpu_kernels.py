@@ -14,6 +14,7 @@ import pytest
 
 from eqmoe import autotune
 from eqmoe.attention_config import AttentionConfig
+from eqmoe.autotune import timing, workloads
 from eqmoe.moe_config import MoEConfig, RouterConfig
 from eqmoe.nn import megablox, splash
 from eqmoe.nn._init import Init
@@ -179,14 +180,14 @@ def test_auto_times_the_kernels_at_each_tiling_on_a_tpu_and_records_the_tiling(m
     from eqmoe import presets
 
     config = presets.get("qwen3-moe-micro")
-    monkeypatch.setattr(autotune.jax, "default_backend", lambda: "tpu")
-    dispatch = autotune._DispatchWorkload(config, 2048, True)
+    monkeypatch.setattr(timing.jax, "default_backend", lambda: "tpu")
+    dispatch = workloads.DispatchWorkload(config, 2048, True)
     labels = dispatch.candidates()
     assert [label for label in labels if label.startswith("gmm")] == [
-        autotune._label("gmm", tiles) for tiles in autotune.GMM_TILES
+        timing.label("gmm", tiles) for tiles in workloads.GMM_TILES
     ]
     assert dispatch.eligible(labels[-1], labels) is None
-    attention = autotune._AttentionWorkload(config, 2, 1024, True)
+    attention = workloads.AttentionWorkload(config, 2, 1024, True)
     assert [label for label in attention.candidates() if label.startswith("splash")] == [
         "splash[1024]",
         "splash[512]",
@@ -204,6 +205,6 @@ def test_auto_times_the_kernels_at_each_tiling_on_a_tpu_and_records_the_tiling(m
 def test_off_the_tpu_auto_does_not_time_the_kernels():
     from eqmoe import presets
 
-    dispatch = autotune._DispatchWorkload(presets.get("qwen3-moe-micro"), 256, True)
+    dispatch = workloads.DispatchWorkload(presets.get("qwen3-moe-micro"), 256, True)
     labels = dispatch.candidates()
     assert "gmm" in labels and "interpret mode" in dispatch.eligible("gmm", labels)

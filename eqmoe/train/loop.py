@@ -6,7 +6,6 @@ exactly the steps an uninterrupted run takes.
 """
 
 import functools
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,17 +17,16 @@ import jax
 import numpy as np
 
 from eqmoe import autotune, flops, parallel
-from eqmoe.checkpoints.base import BaseModel
-from eqmoe.checkpoints.model_checkpoint import changed_part, restore
-from eqmoe.checkpoints.orbax import Checkpointer, UnreadableCheckpoint
+from eqmoe.checkpoints.model_checkpoint import changed_part
+from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.checkpoints.run_metadata import RunMetadata
-from eqmoe.config_io import architecture_differences, config_to_dict, format_differences
+from eqmoe.config_io import config_to_dict
 from eqmoe.data import PackedDataset
 from eqmoe.model import Transformer
-from eqmoe.train import memory_fit, run_folder
+from eqmoe.train import memory_fit, resume, run_folder
 from eqmoe.train.logging import MetricsLog, Progress, plot_metrics
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer, trained_roles
-from eqmoe.train.state import TrainState, abstract_state, hold_frozen, init_state
+from eqmoe.train.state import TrainState, hold_frozen, init_state
 from eqmoe.train.step import device_batch, make_train_step
 from eqmoe.train.tracking import TrackerOptions, Trackers, start_trackers
 
@@ -153,95 +151,6 @@ def train(
         return _train(model, optimizer_config, options, dataset, batch_size, evaluate, metadata, parallelism, arguments)
 
 
-def _check_same_base(stored: BaseModel | None, now: BaseModel | None, out_dir: Path) -> None:
-    """A resumed run must start from the base model its checkpoints were trained on."""
-    if stored is None or (now is not None and now.sha256 == stored.sha256):
-        return
-    if now is None:
-        raise ValueError(
-            f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.path}; start from it"
-        )
-    raise ValueError(
-        f"--resume: the checkpoint in {out_dir} was trained on the base model {stored.path} "
-        f"(content sha256 {stored.sha256[:16]}), not on {now.path} ({now.sha256[:16]})"
-    )
-
-
-def _resume_steps(checkpointer: Checkpointer, options: RunOptions) -> list[int]:
-    """The steps to try, newest first: every finished step, or ``--resume-from`` and older ones (newer steps are
-    set aside, since a run continued from an older step saves those step numbers again)."""
-    steps = checkpointer.all_steps()
-    if options.resume_from is None:
-        return steps[::-1]
-    if options.resume_from not in steps:
-        raise FileNotFoundError(f"--resume-from {options.resume_from}: no such step in {checkpointer.directory}")
-    for step in steps:
-        if step > options.resume_from:
-            moved = run_folder.set_aside(checkpointer.directory, step)
-            print(f"--resume-from {options.resume_from}: step {step} moved to {moved}", file=sys.stderr)
-    return [step for step in steps[::-1] if step <= options.resume_from]
-
-
-def _resumed_state(checkpointer, options, model, optimizer, key, metadata, parallelism, trained):
-    """``(state, step)`` restored from the newest readable checkpoint with ``--resume``; ``(None, None)`` to start.
-
-    A step that cannot be read whole (a file truncated by a full disk or a cut copy) is reported in one line, set
-    aside and the next older step is tried. Only the architecture must match: the execution and objective fields
-    of the new config apply from here on (the restore target is built from the new model, so the restored model
-    carries its config, and the next checkpoints store it)."""
-    out_dir, config = options.out_dir, model.config
-    steps = _resume_steps(checkpointer, options) if options.resume else []
-    if options.resume and not steps:
-        print(f"--resume: no checkpoint in {checkpointer.directory}; starting from step 0", file=sys.stderr)
-    for step in steps:
-        try:
-            stored = RunMetadata.from_json(checkpointer.metadata(step), str(checkpointer.directory))
-        except UnreadableCheckpoint as error:
-            _set_aside_damaged(checkpointer, step, error)
-            continue
-        differences = architecture_differences(stored.config, config)
-        if differences:
-            raise ValueError(
-                f"--resume: the checkpoint in {out_dir} has a different architecture: "
-                + format_differences(differences, "checkpoint", "now")
-            )
-        _check_same_base(stored.base, metadata.base, out_dir)
-        target = abstract_state(lambda: model, optimizer, key=key)
-        if parallelism is not None:
-            target = parallel.abstract_sharded(target, parallelism)
-        # Leaves a checkpoint of a run with a base folder leaves out (frozen weights) come from the base.
-        fill = eqx.tree_at(lambda s: s.model, target, parallel.shard(model, parallelism))
-        try:
-            state = restore(checkpointer, step, target, fill=fill)
-        except UnreadableCheckpoint as error:
-            _set_aside_damaged(checkpointer, step, error)
-            continue
-        state = eqx.tree_at(lambda s: s.model, state, hold_frozen(state.model, trained))
-        assert state.model.config == config, "the restored model must carry the new config"
-        print(f"resumed from step {step}", file=sys.stderr)
-        return state, step
-    if steps:
-        raise ValueError(f"--resume: no checkpoint in {checkpointer.directory} can be read (all set aside)")
-    return None, None
-
-
-def _recorded_backends(checkpointer: Checkpointer) -> dict[str, str] | None:
-    """The backends the run's newest readable checkpoint recorded (every checkpoint of a run records the same)."""
-    for step in sorted(checkpointer.all_steps(), reverse=True):
-        try:
-            return RunMetadata.from_json(checkpointer.metadata(step), str(checkpointer.directory)).backends
-        except (UnreadableCheckpoint, ValueError):
-            continue
-    return None
-
-
-def _set_aside_damaged(checkpointer: Checkpointer, step: int, error: UnreadableCheckpoint) -> None:
-    moved = run_folder.set_aside(checkpointer.directory, step)
-    array = f" (array {error.array} cannot be read whole)" if error.array else ""
-    message = f"--resume: checkpoint step {step} is damaged{array}; moved to {moved}; trying the step before"
-    print(message, file=sys.stderr)
-
-
 def _int(value) -> int:
     return int(parallel.to_host(value))
 
@@ -261,7 +170,7 @@ def _train(
             config,
             batch_size,
             dataset.seq_len,
-            recorded=_recorded_backends(checkpointer) if options.resume else None,
+            recorded=resume.recorded_backends(checkpointer) if options.resume else None,
             devices=1 if parallelism is None else parallelism.mesh.size,
         )
         if resolved.config != config:
@@ -272,7 +181,9 @@ def _train(
         trained = trained_roles(optimizer_config, params)
         model = hold_frozen(model, trained)
         key = jax.random.key(options.seed + 1)
-        state, latest = _resumed_state(checkpointer, options, model, optimizer, key, metadata, parallelism, trained)
+        state, latest = resume.resumed_state(
+            checkpointer, options, model, optimizer, key, metadata, parallelism, trained
+        )
     except BaseException:
         checkpointer.close()
         raise

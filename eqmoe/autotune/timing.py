@@ -1,0 +1,165 @@
+"""Timing ``auto``'s candidates: one workload's candidates timed (or read from the cache), the fastest median chosen."""
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+ENV = "EQMOE_AUTO"
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How one ``auto`` field was resolved: ``how`` is ``"measured"``, ``"cached"`` or ``"recorded by the run"`` (a
+    resumed run's choice); ``seconds`` the median seconds per call of each timed backend; ``skipped`` why
+    the others were not timed."""
+
+    field: str
+    choice: str
+    how: str
+    workload: str = ""
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"moe.tiles": "512,1024,1024"}
+
+    def choices(self) -> dict[str, str]:
+        """The execution fields this choice sets: the backend's and, for a kernel timed at several tilings, its
+        tiling's."""
+        return {self.field: self.choice, **self.settings}
+
+    def line(self) -> str:
+        timed = ", ".join(
+            f"{name} {seconds * 1e3:.2f} ms" for name, seconds in sorted(self.seconds.items(), key=_by_time)
+        )
+        setting = "".join(f", {name}={value}" for name, value in self.settings.items())
+        parts = [f"auto {self.field} -> {self.choice!r}{setting} ({self.how}"]
+        if self.workload:
+            parts.append(f" on {self.workload}")
+        parts.append(f": {timed}" if timed else "")
+        parts.append(")")
+        if self.skipped:
+            parts.append("; not timed: " + "; ".join(f"{name} ({why})" for name, why in self.skipped.items()))
+        return "".join(parts)
+
+
+def _by_time(item: tuple[str, float]) -> float:
+    return item[1]
+
+
+class Workload:
+    """One field's candidates on one shape: ``key`` identifies it in the cache, ``eligible`` says why a candidate
+    is not timed (``None``: timed), ``program(label)`` is ``(jitted function, arguments)``. A candidate is a
+    backend's name, or ``name[setting]`` for a kernel timed at one of several tilings (:func:`label`)."""
+
+    field: str
+    setting: str  # the execution field a candidate's tiling sets
+    description: str
+    key: dict
+
+    def candidates(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def eligible(self, name: str, candidates: tuple[str, ...]) -> str | None:
+        return None
+
+    def program(self, label: str):
+        raise NotImplementedError
+
+    def measurement(self, label: str, how: str, **details) -> Measurement:
+        name, setting = unlabel(label)
+        settings = {} if setting is None else {self.setting: setting}
+        return Measurement(self.field, name, how, self.description, settings=settings, **details)
+
+
+def label(name: str, setting: tuple[int, ...] | int) -> str:
+    """``gmm[512,1024,1024]``: a backend at one tiling."""
+    values = setting if isinstance(setting, tuple) else (setting,)
+    return f"{name}[{','.join(str(v) for v in values)}]"
+
+
+def unlabel(label: str) -> tuple[str, str | None]:
+    name, bracket, setting = label.partition("[")
+    return name, setting.rstrip("]") if bracket else None
+
+
+def off_platform(platforms: tuple[str, ...] | None) -> str | None:
+    """Why a kernel made for ``platforms`` is not timed here (``None``: it is)."""
+    platform = jax.default_backend()
+    if platforms is None or platform in platforms:
+        return None
+    return f"a {'/'.join(p.upper() for p in platforms)} kernel (interpret mode on {platform.upper()})"
+
+
+def cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
+    candidates = workload.candidates()
+    device = jax.devices()[0]
+    key = json.dumps(
+        {
+            **workload.key,
+            "field": workload.field,
+            "device": f"{device.platform}:{device.device_kind}",
+            "candidates": candidates,
+        },
+        sort_keys=True,
+    )
+    entries = _read_cache(cache)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("choice") in candidates:
+        return workload.measurement(entry["choice"], "cached", seconds=entry.get("seconds", {}))
+    skipped = {name: why for name in candidates if (why := workload.eligible(name, candidates)) is not None}
+    seconds = {}
+    for name in candidates:
+        if name in skipped:
+            continue
+        try:
+            seconds[name] = time_calls(*workload.program(name), best=min(seconds.values(), default=None))
+        except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
+            skipped[name] = str(error).splitlines()[0][:120]
+        except jax.errors.JaxRuntimeError as error:  # e.g. XLA:CPU's dense emulation of ragged_dot at 256 experts
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            skipped[name] = "out of memory"
+    if not seconds:
+        raise ValueError(f"auto {workload.field}: no registered backend can run {workload.description}: {skipped}")
+    choice = min(seconds, key=seconds.__getitem__)
+    _write_cache(cache, {**entries, key: {"choice": choice, "seconds": seconds}})
+    return workload.measurement(choice, "measured", seconds=seconds, skipped=skipped)
+
+
+def time_calls(function, arguments, *, best: float | None) -> float:
+    """Median seconds of :data:`REPEATS` calls after a warm-up (compiling) call; a backend already ten times slower
+    than the best after one call is not called again."""
+    jax.block_until_ready(function(*arguments))
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        jax.block_until_ready(function(*arguments))
+        times.append(time.perf_counter() - started)
+        if best is not None and times[-1] > 10 * best:
+            break
+    return statistics.median(times)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: measure again
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(partial, path)
+    except OSError as error:  # a read-only cache costs a measurement next time, nothing else
+        print(f"auto: could not write {path} ({error})", file=sys.stderr)
