@@ -133,8 +133,9 @@ def _cases():
                 check_names(_config(name, factor))
             except ValueError:  # the backend's own check refuses the routing (capacity without a factor)
                 continue
-            # dense and ragged_dot compute what sorted does (tests/test_stack_and_dispatch.py): run with -m slow
-            marks = [pytest.mark.slow] if name in ("dense", "ragged_dot") else []
+            # dense and ragged_dot compute what sorted does (tests/test_stack_and_dispatch.py), gmm what ragged_dot does
+            # with the same slots (tests/test_tpu_kernels.py, where its Pallas kernel runs interpreted): -m slow
+            marks = [pytest.mark.slow] if name in ("dense", "ragged_dot", "gmm") else []
             label = f"{name}-{'dropless' if factor is None else 'capacity'}"
             yield pytest.param(name, factor, id=label, marks=marks)
 

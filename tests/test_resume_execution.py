@@ -90,11 +90,13 @@ def test_with_config_changes_execution_and_objective_and_refuses_another_archite
 STEPS = 24
 
 
-def _sft(out_dir, steps, resume=False, **model):
+def _sft(out_dir, steps, resume=False, checkpoint_every=400, **model):
     return sft.Args(
         model=sft.ModelOptions(**model),
         data=sft.DataOptions(train_examples=5_000, eval_examples=16),
-        run=sft.RunOptions(steps=steps, out_dir=out_dir, samples=0, log_every=1, resume=resume),
+        run=sft.RunOptions(
+            steps=steps, out_dir=out_dir, samples=0, log_every=1, resume=resume, checkpoint_every=checkpoint_every
+        ),
     )
 
 
@@ -110,10 +112,13 @@ def _stored_config(out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted sft run of STEPS steps and the checkpoint of one stopped half way."""
+    """An uninterrupted sft run of STEPS steps and, as a run stopped half way leaves it, its folder up to the
+    checkpoint at STEPS // 2 (in warmup, a run of STEPS // 2 steps takes the same steps)."""
     root = tmp_path_factory.mktemp("resume")
-    straight = sft.run(_sft(root / "straight", STEPS))
-    sft.run(_sft(root / "first", STEPS // 2))
+    straight = sft.run(_sft(root / "straight", STEPS, checkpoint_every=STEPS // 2))
+    shutil.copytree(root / "straight", root / "first")
+    shutil.rmtree(root / "first" / "checkpoints" / str(STEPS))
+    (root / "first" / "summary.json").unlink()
     return root, straight
 
 

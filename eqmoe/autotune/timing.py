@@ -97,7 +97,7 @@ def off_platform(platforms: tuple[str, ...] | None) -> str | None:
     return f"a {'/'.join(p.upper() for p in platforms)} kernel (interpret mode on {platform.upper()})"
 
 
-def cached_or_timed(workload: _Workload, cache: Path) -> Measurement:
+def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
     candidates = workload.candidates()
     device = jax.devices()[0]
     key = json.dumps(

@@ -124,7 +124,9 @@ class DispatchWorkload(Workload):
         names = DISPATCH_BACKENDS.names()
         if "gmm" in names and off_platform(DISPATCH_BACKENDS.get("gmm").platforms) is None:
             names = tuple(
-                label for name in names for label in ([label(name, t) for t in GMM_TILES] if name == "gmm" else [name])
+                candidate
+                for name in names
+                for candidate in ([label(name, t) for t in GMM_TILES] if name == "gmm" else [name])
             )
         return names
 
@@ -201,7 +203,9 @@ class AttentionWorkload(Workload):
         blocks = [b for b in SPLASH_BLOCKS if self.seq % b == 0]
         if "splash" in names and off_platform(splash.PLATFORMS) is None and blocks:
             names = tuple(
-                label for name in names for label in ([label(name, b) for b in blocks] if name == "splash" else [name])
+                candidate
+                for name in names
+                for candidate in ([label(name, b) for b in blocks] if name == "splash" else [name])
             )
         return names
 
