@@ -34,10 +34,11 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-# -m slow (110 s): the Envy readings notebook (its numbers are tests/test_envy.py's), the routing explorer (its
-# analyses are tests/test_routing_analyses.py's) and the fine-tuning walk-through (its LoRA run and both exports are
-# tests/test_lora_sft.py's, its chat data tests/test_chat_data.py's); the other three run by default.
-SLOW_NOTEBOOKS = ("02_routing_explorer", "04_envy_two_readings", "06_fine_tune_a_checkpoint")
+# -m slow (125 s): the Envy readings notebook (its numbers are tests/test_envy.py's), the routing explorer (its
+# analyses are tests/test_routing_analyses.py's), the fine-tuning walk-through (its LoRA run and both exports are
+# tests/test_lora_sft.py's, its chat data tests/test_chat_data.py's) and the Qwen3 parity notebook (its logits are
+# tests/test_qwen3_parity.py's and tests/test_hf_roundtrip.py's); the other three run by default.
+SLOW_NOTEBOOKS = ("02_routing_explorer", "03_qwen3_parity", "04_envy_two_readings", "06_fine_tune_a_checkpoint")
 
 
 @pytest.mark.parametrize(

@@ -65,16 +65,11 @@ def _flatten(tree, prefix=()):
 
 
 def test_repeated_and_killed_runs_end_bit_identical(tmp_path):
-    """The same command twice gives identical metrics and checkpoints; a run SIGKILLed mid-save and mid-step
-    and resumed each time ends with the same parameters and metrics as an uninterrupted one."""
+    """A run SIGKILLed mid-save and mid-step and resumed each time ends with the same parameters and metrics as an
+    uninterrupted one: the same command, run three times in all, repeats exactly (a second uninterrupted run would
+    show nothing this one does not)."""
     _finish(_pretrain(tmp_path / "straight"))
-    _finish(_pretrain(tmp_path / "again"))
-    assert _metrics(tmp_path / "straight") == _metrics(tmp_path / "again")
     expected = _arrays(tmp_path / "straight", 16)
-    again = _arrays(tmp_path / "again", 16)
-    assert expected.keys() == again.keys()
-    for name, array in expected.items():
-        np.testing.assert_array_equal(again[name], array, err_msg=name)
 
     out = tmp_path / "killed"
     checkpoints = out / "checkpoints"
@@ -92,6 +87,7 @@ def test_repeated_and_killed_runs_end_bit_identical(tmp_path):
     err = _finish(_pretrain(out, "--resume"))
     assert f"resumed from step {target}" in err  # at most the steps since the last checkpoint are redone
     final = _arrays(out, 16)
+    assert final.keys() == expected.keys()
     for name, array in expected.items():
         np.testing.assert_array_equal(final[name], array, err_msg=name)
     assert _metrics(out) == _metrics(tmp_path / "straight")
