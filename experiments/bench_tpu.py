@@ -128,16 +128,10 @@ def _configs():
 
 
 def _timed(function, *arguments, repeats: int = 5) -> float:
-    """Median seconds of ``repeats`` calls after one (compiling) call."""
-    import jax
+    """Median seconds of ``repeats`` calls after one (compiling) call, as ``auto`` times its candidates."""
+    from eqmoe.autotune.timing import time_calls
 
-    jax.block_until_ready(function(*arguments))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(function(*arguments))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return time_calls(function, arguments, best=None, repeats=repeats)
 
 
 def _train_row(config, batch: int, steps: int) -> dict:

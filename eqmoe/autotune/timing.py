@@ -84,6 +84,13 @@ def label(name: str, setting: tuple[int, ...] | int) -> str:
     return f"{name}[{','.join(str(v) for v in values)}]"
 
 
+def at_settings(names: tuple[str, ...], kernel: str, settings) -> tuple[str, ...]:
+    """``names`` with ``kernel`` in its place once per setting (:func:`label`), the others as they are."""
+    return tuple(
+        candidate for name in names for candidate in ([label(name, s) for s in settings] if name == kernel else [name])
+    )
+
+
 def unlabel(label: str) -> tuple[str, str | None]:
     name, bracket, setting = label.partition("[")
     return name, setting.rstrip("]") if bracket else None
@@ -133,12 +140,12 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
     return workload.measurement(choice, "measured", seconds=seconds, skipped=skipped)
 
 
-def time_calls(function, arguments, *, best: float | None) -> float:
-    """Median seconds of :data:`REPEATS` calls after a warm-up (compiling) call; a backend already ten times slower
-    than the best after one call is not called again."""
+def time_calls(function, arguments, *, best: float | None, repeats: int = REPEATS) -> float:
+    """Median seconds of ``repeats`` calls after a warm-up (compiling) call; a backend already ten times slower
+    than ``best`` after one call is not called again."""
     jax.block_until_ready(function(*arguments))
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         started = time.perf_counter()
         jax.block_until_ready(function(*arguments))
         times.append(time.perf_counter() - started)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqmoe.autotune.timing import Workload, label, off_platform, unlabel
+from eqmoe.autotune.timing import Workload, at_settings, off_platform, unlabel
 from eqmoe.config import ModelConfig
 from eqmoe.nn import splash
 from eqmoe.nn._init import Init
@@ -123,11 +123,7 @@ class DispatchWorkload(Workload):
     def candidates(self) -> tuple[str, ...]:
         names = DISPATCH_BACKENDS.names()
         if "gmm" in names and off_platform(DISPATCH_BACKENDS.get("gmm").platforms) is None:
-            names = tuple(
-                candidate
-                for name in names
-                for candidate in ([label(name, t) for t in GMM_TILES] if name == "gmm" else [name])
-            )
+            return at_settings(names, "gmm", GMM_TILES)
         return names
 
     def eligible(self, label: str, candidates: tuple[str, ...]) -> str | None:
@@ -202,11 +198,7 @@ class AttentionWorkload(Workload):
         names = ATTENTION_BACKENDS.names()
         blocks = [b for b in SPLASH_BLOCKS if self.seq % b == 0]
         if "splash" in names and off_platform(splash.PLATFORMS) is None and blocks:
-            names = tuple(
-                candidate
-                for name in names
-                for candidate in ([label(name, b) for b in blocks] if name == "splash" else [name])
-            )
+            return at_settings(names, "splash", blocks)
         return names
 
     def eligible(self, label: str, candidates: tuple[str, ...]) -> str | None:
