@@ -195,6 +195,13 @@ def initialize_distributed(
     return True
 
 
+def from_process_zero(flag: bool) -> bool:
+    """Process 0's ``flag``, in every process of the run (a collective: every process calls it at the same point)."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 _ACTIVE: list[Parallelism] = []
 
 

@@ -246,8 +246,8 @@ def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     options, out_dir = args.run, args.run.out_dir
     options.check()
+    parallelism = args.parallel.build()  # first: claiming the folder asks which process this is
     options.claim_out_dir()
-    parallelism = args.parallel.build()
     import_modules(args.model.import_modules)
     try:
         config = model_config(args.model)

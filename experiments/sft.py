@@ -338,9 +338,9 @@ def run(args: Args) -> dict:
     """Train, evaluate and write every output; returns the summary."""
     run_options, out_dir = args.run, args.run.out_dir
     run_options.check()
+    parallelism = args.parallel.build()  # first: claiming the folder asks which process this is
     run_options.claim_out_dir()
     import_modules(args.model.import_modules)
-    parallelism = args.parallel.build()
     starting = _model_and_config(args.model, run_options.seed, parallelism)
     tokenizer, tokenizer_origin = _tokenizer(args.data, starting)
     model, config, base = _with_adapters(starting.model, args.model, run_options.seed), starting.config, starting.base

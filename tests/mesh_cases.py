@@ -2,9 +2,11 @@
 two processes. Run by ``tests/test_parallel.py`` in a process of its own with 8 CPU devices, so the rest
 of the suite keeps the one-device setting."""
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -202,21 +204,30 @@ def _free_port() -> int:
 
 
 def _wait_together(processes, stderr_files, timeout: float) -> None:
-    """Waits for every process; one that fails ends the others at once (they would wait on it in a collective) and
-    its error is the assertion's message."""
+    """Waits for every process; one that fails ends the others at once (they would wait on it in a collective).
+    Past ``timeout`` each process left is made to print its Python stacks (faulthandler, on SIGABRT) before it ends.
+    The message holds every failed process's error."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
         if any(p.returncode not in (None, 0) for p in processes):
             break
         time.sleep(0.5)
+    timed_out = time.monotonic() >= deadline
     for process in processes:
         if process.poll() is None:
-            process.kill()
+            process.send_signal(signal.SIGABRT if timed_out else signal.SIGKILL)
     for process in processes:
-        process.wait()
-    errors = [path.read_text() for path in stderr_files]
-    for i, (process, err) in enumerate(zip(processes, errors, strict=True)):
-        assert process.returncode == 0, f"process {i} (of {len(processes)}): {err[-3000:]}"
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    failed = [
+        f"process {i} (of {len(processes)}, exit {process.returncode}):\n{path.read_text()[-3000:]}"
+        for i, (process, path) in enumerate(zip(processes, stderr_files, strict=True))
+        if process.returncode != 0
+    ]
+    assert not failed, ("timed out; " if timed_out else "") + "\n".join(failed)
 
 
 def test_two_processes_match_one(tmp_path):
@@ -227,18 +238,21 @@ def test_two_processes_match_one(tmp_path):
     port = _free_port()
     xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = {**os.environ, "XLA_FLAGS": " ".join([*xla_flags, "--xla_force_host_platform_device_count=1"])}
-    command = [sys.executable, "-m", "experiments.sft", *words, f"--out-dir={tmp_path / 'two'}", "--mesh=data=2"]
-    processes = [
-        subprocess.Popen(
-            [*command, f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=(tmp_path / f"stderr{i}").open("w"),  # a file: a full pipe no one reads would stall the process
-        )
-        for i in range(2)
-    ]
-    _wait_together(processes, [tmp_path / f"stderr{i}" for i in range(2)], timeout=300)
+    command = [sys.executable, "-X", "faulthandler", "-m", "experiments.sft", *words, "--mesh=data=2"]
+    command.append(f"--out-dir={tmp_path / 'two'}")
+    stderr_files = [tmp_path / f"stderr{i}" for i in range(2)]  # files: a full pipe no one reads stalls a process
+    with contextlib.ExitStack() as files:
+        processes = [
+            subprocess.Popen(
+                [*command, f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=files.enter_context(path.open("w")),
+            )
+            for i, path in enumerate(stderr_files)
+        ]
+        _wait_together(processes, stderr_files, timeout=300)
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     args = sft.Args(
         data=dataclasses.replace(

@@ -96,3 +96,26 @@ def test_resume_refuses_a_setting_that_may_not_change_and_takes_one_that_may(fin
     )
     assert (args.run.steps, args.model.remat, args.run.seed, args.data.batch_size) == (12, "block", 3, 4)
     assert args.optim.learning_rate == 2e-3
+
+
+@pytest.mark.parametrize("zero_refused", [False, True])
+def test_of_several_processes_only_process_zero_looks_at_the_folder(tmp_path, monkeypatch, zero_refused):
+    """Process 1 may look after process 0 has begun to write: it must neither take those outputs for an earlier
+    run's nor remove them under --overwrite, and it refuses exactly when process 0 does."""
+    import jax
+
+    from eqmoe import parallel
+    from eqmoe.train.loop import RunOptions
+
+    (tmp_path / "arguments.json").write_text('{"written": "by process 0 of this run"}')
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(parallel, "from_process_zero", lambda flag: zero_refused)
+    for overwrite in (False, True):
+        options = RunOptions(out_dir=tmp_path, overwrite=overwrite)
+        if zero_refused:
+            with pytest.raises(FileExistsError, match="process 0 refused it"):
+                options.claim_out_dir()
+        else:
+            options.claim_out_dir()
+        assert (tmp_path / "arguments.json").read_text() == '{"written": "by process 0 of this run"}'

@@ -102,8 +102,20 @@ class RunOptions(OutputOptions, TrackerOptions):
             raise ValueError("give --resume (continue the run in --out-dir) or --overwrite (replace it), not both")
 
     def claim_out_dir(self) -> None:
-        """Refuse to start a new run in a folder that holds one (see :mod:`eqmoe.train.run_folder`)."""
-        run_folder.claim(self.out_dir, resume=self.resume, overwrite=self.overwrite)
+        """Refuse to start a new run in a folder that holds one (see :mod:`eqmoe.train.run_folder`). Of several
+        processes, process 0 alone looks (and removes, with ``--overwrite``) and every process refuses with it: another
+        process would take the outputs process 0 has begun to write for an earlier run's. Call it after
+        :meth:`eqmoe.parallel.initialize_distributed`."""
+        refusal = None
+        if jax.process_index() == 0:
+            try:
+                run_folder.claim(self.out_dir, resume=self.resume, overwrite=self.overwrite)
+            except FileExistsError as error:
+                refusal = error
+        if jax.process_count() > 1 and parallel.from_process_zero(refusal is not None) and refusal is None:
+            refusal = FileExistsError(f"{self.out_dir}: process 0 refused it (already holds a run)")
+        if refusal is not None:
+            raise refusal
 
 
 class TrainResult(NamedTuple):
