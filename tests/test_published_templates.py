@@ -130,7 +130,8 @@ def test_deepseek_v3_reply_with_empty_content_and_a_call(folders, references, tm
     reply is <｜Assistant｜><｜end▁of▁sentence｜>, and its turn is that end token."""
     tokenizer, reference = load_tokenizer(folders["deepseek-v3"]), references["deepseek-v3"]
     messages = DEEPSEEK_ADD["messages"]
-    ids, mask = encode_chat(check_conversation(messages), tokenizer)
+    with pytest.warns(UserWarning, match="renders no tool call of an assistant message, so those calls are not"):
+        ids, mask = encode_chat(check_conversation(messages), tokenizer)
     assert ids.tolist() == list(reference.apply_chat_template(copy.deepcopy(messages), return_dict=False))
     assert mask.tolist() == expected_mask(reference, ids.tolist(), "deepseek-v3")
     assert _trained_pieces(tokenizer, ids, mask) == ["<｜end▁of▁sentence｜>", "2 plus 3 is 5.<｜end▁of▁sentence｜>"]

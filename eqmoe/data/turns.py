@@ -32,6 +32,7 @@ A turn that cannot be found is an error saying why.
 """
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, NamedTuple
@@ -233,6 +234,13 @@ def turn_spans(
         landmark = _landmark(message)
         if landmark and renders(i + 1).count(landmark) <= renders(i).count(landmark):
             landmark = ""  # the template renders none of it, even as the last message (DeepSeek-V3's empty call)
+            if message.get("tool_calls"):  # one text per template, so that the warning is shown once
+                warnings.warn(
+                    f"{template.origin}: the template renders no tool call of an assistant message, so those calls "
+                    "are not trained (DeepSeek-V3's renders a call only beside a null content, which transformers "
+                    "drops before rendering)",
+                    stacklevel=2,
+                )
         end = _turn_end(i, renders, text, start, header, landmark, special)
         stop = _turn_stop(i, text, start, end, special, tokenizer)
         if landmark and landmark not in text[start:stop]:
