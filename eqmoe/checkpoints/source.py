@@ -53,24 +53,11 @@ def load_source(
 
 
 def source_tokenizer(
-    source: ModelSource,
-    tokenizer: str | os.PathLike | None = None,
-    *,
-    chat: bool = True,
-    chat_template: str | os.PathLike | None = None,
-    template_vars: dict | None = None,
-    bytes_if_none: bool = False,
+    source: ModelSource, tokenizer: str | os.PathLike | None = None, **options
 ) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer to read and write ``source``'s text with: :func:`folder_tokenizer` of its folder and record."""
-    return folder_tokenizer(
-        source.folder,
-        source.metadata,
-        tokenizer,
-        chat=chat,
-        chat_template=chat_template,
-        template_vars=template_vars,
-        bytes_if_none=bytes_if_none,
-    )
+    """The tokenizer to read and write ``source``'s text with: :func:`folder_tokenizer` of its folder and record, with
+    its keyword ``options``."""
+    return folder_tokenizer(source.folder, source.metadata, tokenizer, **options)
 
 
 def folder_tokenizer(
