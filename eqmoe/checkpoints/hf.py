@@ -79,6 +79,12 @@ def stored_dtype(folder: str | Path) -> str:
     return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
+def weight_files(folder: str | Path) -> dict[str, SafetensorsFile]:
+    """Every tensor name of a Hugging Face folder and the file that holds it (single file or sharded index), as
+    stored (no dequantization)."""
+    return _weight_files(Path(folder))
+
+
 def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     """Map every tensor name to the file that holds it (single file or sharded index)."""
     index_path = folder / INDEX_FILE
