@@ -27,14 +27,16 @@ from experiments._cli import UsageError, guarded
 
 @dataclass(frozen=True)
 class Args:
-    hf: Path
-    """The dense Hugging Face model: a folder (config.json + safetensors; Qwen3 or Llama) or a Hub id."""
-    out: Path
-    """The MoE Hugging Face folder to write."""
     experts: int
     """Routed experts per layer, each a copy of the layer's dense FFN."""
     top_k: int
     """Experts each token is sent to (1..experts)."""
+    out: Path
+    """The MoE Hugging Face folder to write."""
+    # the dense model to upcycle (Qwen3 or Llama): the option every command reads a Hugging Face model with
+    hf: Path | None = None
+    """Hugging Face model: a folder (config.json + safetensors, any registered family) or a Hub id
+    ORG/NAME[@REVISION]."""
     shared_experts: int = 0
     """Shared experts beside the routed ones: 0, or 1 for Llama (written as Qwen2-MoE, with a sigmoid-gated shared
     expert; the routed copies' outputs halved and the gate at sigmoid(0) = 1/2, so the function is kept)."""
@@ -63,6 +65,8 @@ def run(args: Args) -> str:
         router_std=args.router_std,
         aux_loss_coef=args.aux_loss_coef,
     )
+    if args.hf is None:
+        raise UsageError("give --hf DENSE_DIR: the dense Hugging Face model to upcycle")
     source = resolve_folder(args.hf)
     if not (source / "config.json").is_file():
         raise UsageError(f"{source}: no config.json (not a Hugging Face model folder)")
