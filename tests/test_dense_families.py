@@ -12,12 +12,12 @@ transformers = pytest.importorskip("transformers")
 
 
 def perturb_norms_and_biases(name: str, tensor) -> None:
-    """Norms off 1 and biases off 0 (transformers' initial values, at which a misplaced one goes unseen), and the
-    projections spread out so that their gradients are large enough for a 1e-4 comparison to mean something."""
+    """Norms off 1 and biases off 0 (transformers' initial values, at which a misplaced one goes unseen), and every
+    matrix spread out (logits up to ~10, gradients up to ~1) so that a 1e-4 comparison means something."""
     if name.endswith(("norm.weight", ".bias")):
         tensor.add_(0.1 * torch.randn_like(tensor))
-    elif name.endswith("proj.weight"):
-        tensor.mul_(4.0)
+    elif tensor.ndim == 2:
+        tensor.mul_(5.0)
 
 
 _TINY = dict(

@@ -4,7 +4,7 @@ safetensors files, streamed tensor by tensor (:func:`save`), and the parameters 
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -100,7 +100,7 @@ def write_folder(
     *,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
-    extra_files: list[Path] = (),
+    extra_files: Sequence[Path] = (),
 ) -> Path:
     """Write ``hf_config`` as ``config.json`` and the ``count`` named ``tensors`` as safetensors beside it, in shards
     of at most ``max_shard_size`` (:func:`save`'s layout), pulling the tensors one at a time: host memory holds one
