@@ -5,6 +5,7 @@ statistics; requests that cannot be met are one line, exit code 2 and nothing wr
 
 import dataclasses
 import json
+import shutil
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -143,14 +144,18 @@ def test_sft_fine_tunes_the_upcycled_model_and_convert_exports_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """A dense Qwen3 folder, a Qwen3 one with attention biases (Qwen3-MoE has none), a MoE folder and an unsupported
-    model type."""
+    """A dense Qwen3 folder, a Qwen3 one with attention biases (Qwen3-MoE has none), one that says its weights are
+    block-FP8, a Llama folder, a MoE folder and an unsupported model type."""
     root = tmp_path_factory.mktemp("upcycle-inputs")
     QWEN3.save_tiny(root / "qwen3")
     QWEN3.save_tiny(root / "qwen3-bias", attention_bias=True)
     LLAMA.save_tiny(root / "llama")
     assert _upcycle(root / "qwen3", root / "qwen3-moe") == 0
     shared.write_config(root / "gpt2", {"model_type": "gpt2", "n_embd": 32})
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    shutil.copytree(root / "qwen3", root / "qwen3-fp8")
+    config = json.loads((root / "qwen3" / "config.json").read_text())
+    shared.write_config(root / "qwen3-fp8", {**config, "quantization_config": fp8})
     return root
 
 
@@ -164,6 +169,7 @@ BAD = {
     "a shared expert for Qwen3": ("qwen3", dict(shared_experts=1), "shared_experts=1"),
     "two shared experts": ("llama", dict(shared_experts=2), "shared_experts=2"),
     "attention Qwen3-MoE cannot hold": ("qwen3-bias", {}, "attention.bias"),
+    "quantized weights": ("qwen3-fp8", {}, "block-FP8"),
 }
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eqmoe.checkpoints import hf
+from eqmoe.checkpoints import hf, quantized
 from eqmoe.checkpoints.hf_write import write_folder
 from eqmoe.checkpoints.safetensors_io import DTYPES
 from eqmoe.config import LayerKind, LossConfig, ModelConfig, MoEConfig, RouterConfig
@@ -232,6 +232,12 @@ def upcycle(
     dense_folder = Path(dense_folder)
     dense = hf.read_config(dense_folder)
     moe = upcycled_config(dense, plan)
+    scheme = quantized.read_scheme(dense_folder)
+    if scheme is not None:  # the experts are byte copies of the dense tensors: their scales would not follow
+        raise ValueError(
+            f"{dense_folder}: holds {scheme.describe()} weights; upcycling reads unquantized folders (hf.load then "
+            "hf.save writes one)"
+        )
     hf_config = families.get(moe.family).config_to_hf(moe)
     source = json.loads((dense_folder / "config.json").read_text())
     hf_config.update({key: source[key] for key in _CARRIED_KEYS if key in source})
