@@ -139,3 +139,75 @@ def test_qwen3_defaults_are_qwen3_configs(tmp_path):
     null = hf.read_config(shared.write_config(tmp_path / "null", {**full, "num_key_value_heads": None}))
     expected = transformers.Qwen3Config(hidden_size=128, num_attention_heads=64, num_key_value_heads=None)
     assert null.attention.num_kv_heads == expected.num_key_value_heads == 64
+
+
+# The Hub's config.json files, in transformers 4.x's keys (top-level rope_theta, rope_scaling, torch_dtype).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize(("published", "preset"), [(QWEN3_8B, "qwen3-8b"), (LLAMA_3_1_8B, "llama-3.1-8b")])
+def test_the_published_configs_read_as_the_presets_with_nothing_ignored(tmp_path, capsys, published, preset):
+    from eqmoe import presets
+
+    config = hf.read_config(shared.write_config(tmp_path, published))
+    assert config == presets.get(preset).replace(param_dtype=config.param_dtype)
+    assert "ignored" not in capsys.readouterr().err
