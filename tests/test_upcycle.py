@@ -11,7 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from eqmoe.checkpoints import hf
 from experiments import convert, sft, upcycle
@@ -145,7 +145,7 @@ def test_sft_fine_tunes_the_upcycled_model_and_convert_exports_it(tmp_path):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """A dense Qwen3 folder, a Qwen3 one with attention biases (Qwen3-MoE has none), one that says its weights are
-    block-FP8, a Llama folder, a MoE folder and an unsupported model type."""
+    block-FP8, one without a tensor, a Llama folder, a MoE folder and an unsupported model type."""
     root = tmp_path_factory.mktemp("upcycle-inputs")
     QWEN3.save_tiny(root / "qwen3")
     QWEN3.save_tiny(root / "qwen3-bias", attention_bias=True)
@@ -156,6 +156,10 @@ def folders(tmp_path_factory):
     shutil.copytree(root / "qwen3", root / "qwen3-fp8")
     config = json.loads((root / "qwen3" / "config.json").read_text())
     shared.write_config(root / "qwen3-fp8", {**config, "quantization_config": fp8})
+    shutil.copytree(root / "qwen3", root / "qwen3-incomplete")
+    tensors = load_file(root / "qwen3" / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, root / "qwen3-incomplete" / "model.safetensors")
     return root
 
 
@@ -170,6 +174,7 @@ BAD = {
     "two shared experts": ("llama", dict(shared_experts=2), "shared_experts=2"),
     "attention Qwen3-MoE cannot hold": ("qwen3-bias", {}, "attention.bias"),
     "quantized weights": ("qwen3-fp8", {}, "block-FP8"),
+    "a missing tensor": ("qwen3-incomplete", {}, "missing tensor model.layers.1.mlp.up_proj.weight"),
 }
 
 

@@ -243,6 +243,9 @@ def upcycle(
     hf_config.update({key: source[key] for key in _CARRIED_KEYS if key in source})
     if moe.attention.rope_scaling is None and isinstance(source.get("max_position_embeddings"), int):
         hf_config["max_position_embeddings"] = source["max_position_embeddings"]  # the context, not the math
+    # the dense folder's tensors checked before anything is written: a missing or mis-shaped one is one message
+    dense_names = families.get(dense.family).checkpoint_names(dense)
+    hf.check_tensors(dense, dense_names, hf.abstract_leaves(dense), hf.weight_files(dense_folder), dense_folder)
     hf_config["dtype"] = hf.stored_dtype(dense_folder)
     count = len({name.key for name in families.get(moe.family).checkpoint_names(moe) if not name.duplicate})
     tensors = upcycled_tensors(dense_folder, dense, moe, plan)
