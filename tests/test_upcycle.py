@@ -64,9 +64,19 @@ def test_upcycled_logits_equal_the_dense_models(case, tmp_path):
     dense, moe = load_file(tmp_path / "dense" / "model.safetensors"), load_file(tmp_path / "moe" / "model.safetensors")
     experts = [key for key in moe if ".experts." in key]
     assert len(experts) == 2 * 4 * 3
-    if not shared_experts:  # the experts are the dense FFN's matrices, bit for bit
-        for key in experts:
-            np.testing.assert_array_equal(moe[key], dense[_dense_source(key)], err_msg=key)
+    for key in experts:  # the dense FFN's matrices bit for bit, the down projections halved beside a shared expert
+        halved = shared_experts and "down_proj" in key
+        np.testing.assert_array_equal(moe[key], dense[_dense_source(key)] * (0.5 if halved else 1), err_msg=key)
+    router_names = (".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+    routers = [value for key, value in moe.items() if key.endswith(router_names)]
+    assert len(routers) == 2 and all(0.01 < router.std() < 0.03 for router in routers)  # N(0, 0.02^2): random
+    if shared_experts:  # the dense FFN itself, behind a gate at sigmoid(0) = 1/2
+        for layer in range(2):
+            prefix = f"model.layers.{layer}.mlp."
+            assert not moe[prefix + "shared_expert_gate.weight"].any()
+            for matrix in ("gate_proj", "up_proj", "down_proj"):
+                key = f"{matrix}.weight"
+                np.testing.assert_array_equal(moe[prefix + "shared_expert." + key], dense[prefix + key])
 
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
