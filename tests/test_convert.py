@@ -122,15 +122,15 @@ def test_a_training_checkpoint_exports_its_model_only(tmp_path, capsys):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     save_tiny_hf(tmp_path / "hf")
     (tmp_path / "empty").mkdir()
-    shutil.copytree(tmp_path / "hf", tmp_path / "llama")
-    config = json.loads((tmp_path / "llama" / "config.json").read_text())
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    shutil.copytree(tmp_path / "hf", tmp_path / "gpt2")
+    config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     shutil.copytree(tmp_path / "hf", tmp_path / "big_tokenizer")
     _word_tokenizer(tmp_path / "big_tokenizer" / "tokenizer.json", 120)
     (tmp_path / "taken").mkdir()
     cases = [
         (dict(hf=tmp_path / "empty", out=tmp_path / "o1"), "no config.json"),
-        (dict(hf=tmp_path / "llama", out=tmp_path / "o2"), "model_type 'llama' is not supported"),
+        (dict(hf=tmp_path / "gpt2", out=tmp_path / "o2"), "model_type 'gpt2' is not supported"),
         (dict(hf=tmp_path / "big_tokenizer", out=tmp_path / "o3"), "the tokenizer has 120 ids but"),
         (dict(hf=tmp_path / "hf", out=tmp_path / "taken"), "already exists (pass --overwrite"),
         (dict(hf=tmp_path / "hf"), "give either --hf DIR --out DIR"),
@@ -140,7 +140,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for fields, message in cases:
         code, err = _convert(capsys, **fields)
         assert code == 2 and message in err and err.count("\n") == 1, (fields, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big_tokenizer", "empty", "hf", "llama", "taken"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big_tokenizer", "empty", "gpt2", "hf", "taken"]
     assert _convert(capsys, hf=tmp_path / "hf", out=tmp_path / "taken", overwrite=True)[0] == 0
     assert load_model(tmp_path / "taken")[0].config.vocab_size == 97
 

@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 def _saver(family: str):
     from tests import (
         test_deepseek,
+        test_dense_families,
         test_glm4_moe,
         test_gpt_oss,
         test_mixtral,
@@ -38,6 +39,8 @@ def _saver(family: str):
         test_deepseek.V3,
         test_deepseek.V2,
         test_gpt_oss.GPT_OSS,
+        test_dense_families.QWEN3,
+        test_dense_families.LLAMA,
     )
     # Qwen3-Next and the multimodal Qwen3.5 folder (its language model's fields in text_config)
     savers = {hf_family.name: hf_family.save_tiny for hf_family in families} | test_qwen3_next_commands.SAVERS
@@ -70,6 +73,8 @@ TARGETS = {
     "gpt_oss": ("attention", "experts"),
     "qwen3_next": ("attention", "linear_attention", "experts"),
     "qwen3_5_moe": ("attention", "linear_attention", "experts"),
+    "qwen3": ("attention", "mlp"),  # the dense families
+    "llama": ("attention", "mlp"),
 }
 # transformers' initializer_range: gpt-oss's saver scales the matrices by 5 after transformers initialises them
 # (tests/test_gpt_oss.perturb); the hybrid families' linear attention sums over every earlier token

@@ -86,6 +86,8 @@ CONFIG_CLASSES = {
     "olmoe": transformers.OlmoeConfig,
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "glm4_moe": transformers.Glm4MoeConfig,
+    "qwen3": transformers.Qwen3Config,
+    "llama": transformers.LlamaConfig,
 }
 
 
@@ -98,7 +100,9 @@ def test_every_key_the_transformers_config_defines_is_in_the_table(name):
     assert families.get(name).ignored_keys(config_class().to_dict()) == []
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen2-57b-a14b", "glm-4.5"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen2-57b-a14b", "glm-4.5", "qwen3-8b", "llama-3.1-8b"]
+)
 def test_presets_write_and_read_back_through_the_table(name):
     config = presets.get(name)
     family = families.get(config.family)

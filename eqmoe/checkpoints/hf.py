@@ -79,6 +79,12 @@ def stored_dtype(folder: str | Path) -> str:
     return value if value in ("float32", "bfloat16", "float16") else "float32"
 
 
+def weight_files(folder: str | Path) -> dict[str, SafetensorsFile]:
+    """Every tensor name of a Hugging Face folder and the file that holds it (single file or sharded index), as
+    stored (no dequantization)."""
+    return _weight_files(Path(folder))
+
+
 def _weight_files(folder: Path) -> dict[str, SafetensorsFile]:
     """Map every tensor name to the file that holds it (single file or sharded index)."""
     index_path = folder / INDEX_FILE
@@ -194,22 +200,7 @@ def load(
     names = checkpoint_names(config)
     files = fused_experts.splitting(files, {name.key for name in names})  # experts stored [E, ...] as one tensor
 
-    problems = []
-    expected = {name.key for name in names}
-    for name in names:
-        want = name.checkpoint_shape(leaves[name.path].shape)
-        if name.key not in files:
-            problems.append(f"missing tensor {name.key} (expected shape {want})")
-        elif (found := files[name.key].shape(name.key)) != want:
-            problems.append(f"wrong shape for {name.key}: expected {want}, found {found}")
-        elif (kind := files[name.key].dtype(name.key)) not in FLOAT_DTYPES:
-            problems.append(f"wrong dtype for {name.key}: expected a float type, found {kind}")
-    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
-    skipped = _skipped(families.get(config.family).skipped_keys, set(files) - expected, folder)
-    ignorable |= skipped
-    problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
-    if problems:
-        raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+    check_tensors(config, names, leaves, files, folder)
 
     by_leaf: dict[tuple, list[TensorName]] = {}
     for name in names:
@@ -230,6 +221,36 @@ def load(
     model = jax.tree_util.tree_map_with_path(lambda p, _: arrays[_leaf_path(p)], abstract)
     _check_duplicates(model, [name for name in names if name.duplicate], files, folder)
     return model
+
+
+def check_tensors(
+    config: ModelConfig, names: list[TensorName], leaves: dict[tuple, jax.ShapeDtypeStruct], files, folder: Path
+) -> None:
+    """Every tensor of ``names`` is in ``files`` with the shape of its part of the model's leaf (``leaves``, by path)
+    and a float dtype, and ``files`` hold nothing else (a tied head and the family's skipped keys aside, the latter
+    listed): else one ``ValueError`` naming every offending tensor."""
+    problems = []
+    expected = {name.key for name in names}
+    for name in names:
+        want = name.checkpoint_shape(leaves[name.path].shape)
+        if name.key not in files:
+            problems.append(f"missing tensor {name.key} (expected shape {want})")
+        elif (found := files[name.key].shape(name.key)) != want:
+            problems.append(f"wrong shape for {name.key}: expected {want}, found {found}")
+        elif (kind := files[name.key].dtype(name.key)) not in FLOAT_DTYPES:
+            problems.append(f"wrong dtype for {name.key}: expected a float type, found {kind}")
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    skipped = _skipped(families.get(config.family).skipped_keys, set(files) - expected, folder)
+    ignorable |= skipped
+    problems += [f"unexpected tensor {key}" for key in sorted(set(files) - expected - ignorable)]
+    if problems:
+        raise ValueError(f"{folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+def abstract_leaves(config: ModelConfig) -> dict[tuple, jax.ShapeDtypeStruct]:
+    """The shape and dtype of every leaf of ``config``'s model, by path, without building it."""
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    return {_leaf_path(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
 
 
 def _skipped(patterns: tuple[str, ...], unexpected: set[str], folder: Path) -> set[str]:

@@ -4,7 +4,7 @@ safetensors files, streamed tensor by tensor (:func:`save`), and the parameters 
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -80,13 +80,36 @@ def save(
     An existing ``folder`` is refused unless ``overwrite``. ``extra_files`` (e.g. :func:`side_files` of the
     source folder) are copied in beside the weights.
     """
+    target = None if dtype is None else jnp.dtype(dtype)
+    hf_config = families.get(model.config.family).config_to_hf(model.config)
+    hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
+    count = len({name.key for name in checkpoint_names(model.config)})
+    tensors = iter_tensors(model)
+    if target is not None:
+        tensors = ((key, tensor.astype(target)) for key, tensor in tensors)
+    return write_folder(
+        folder, hf_config, tensors, count, max_shard_size=max_shard_size, overwrite=overwrite, extra_files=extra_files
+    )
+
+
+def write_folder(
+    folder: str | Path,
+    hf_config: dict,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    count: int,
+    *,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    extra_files: Sequence[Path] = (),
+) -> Path:
+    """Write ``hf_config`` as ``config.json`` and the ``count`` named ``tensors`` as safetensors beside it, in shards
+    of at most ``max_shard_size`` (:func:`save`'s layout), pulling the tensors one at a time: host memory holds one
+    shard. Staged under a temporary name and renamed into place; an existing ``folder`` is refused unless
+    ``overwrite``."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     limit = _shard_bytes(max_shard_size)
-    target = None if dtype is None else jnp.dtype(dtype)
-    hf_config = families.get(model.config.family).config_to_hf(model.config)
-    hf_config["dtype"] = (target or jnp.dtype(model.config.param_dtype)).name
     with staged_folder(folder, overwrite=overwrite) as staging:
         for extra in extra_files:
             shutil.copyfile(extra, staging / Path(extra).name)
@@ -100,9 +123,8 @@ def save(
             shards.append(list(pending))
             pending.clear()
 
-        names = len({name.key for name in checkpoint_names(model.config)})
-        for key, tensor in phase_bar(iter_tensors(model), f"writing {folder.name}", total=names, unit="tensor"):
-            tensor = np.ascontiguousarray(tensor if target is None else tensor.astype(target))
+        for key, tensor in phase_bar(tensors, f"writing {folder.name}", total=count, unit="tensor"):
+            tensor = np.ascontiguousarray(tensor)
             if pending and pending_bytes + tensor.nbytes > limit:
                 flush()
                 pending_bytes = 0

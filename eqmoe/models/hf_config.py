@@ -100,6 +100,45 @@ def all_moe_rule(label: str) -> Rule:
     return Rule(("num_hidden_layers",), ("layers",), read, write)
 
 
+def all_dense_rule(label: str) -> Rule:
+    """Dense decoders (Qwen3, Llama): ``num_hidden_layers`` <-> ``layers``, every one grouped-query attention over every
+    earlier key and a dense SwiGLU of width ``intermediate_size``."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        if "num_hidden_layers" not in hf:
+            raise ValueError(f"{source}: missing field 'num_hidden_layers'")
+        return {"layers": ("dense",) * _integer(hf, "num_hidden_layers", None, source)}
+
+    def write(config: ModelConfig) -> dict[str, Any]:
+        if any(layer != LayerKind(ffn="dense") for layer in config.layers):
+            raise ValueError(f"layers={config.layers!r} has no Hugging Face {label} equivalent; allowed: dense layers")
+        return {"num_hidden_layers": config.num_layers}
+
+    return Rule(("num_hidden_layers",), ("layers",), read, write)
+
+
+def full_attention_rule() -> Rule:
+    """``layer_types`` must be null or say ``full_attention`` for every layer: transformers gives a
+    ``sliding_attention`` layer a window only with ``use_sliding_window``, which these families refuse (Qwen2-MoE,
+    Qwen3). Nothing is written: transformers derives the same list."""
+
+    def read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            return {}
+        if not isinstance(layer_types, list) or any(kind != "full_attention" for kind in layer_types):
+            allowed = 'null or a list of "full_attention"'
+            raise ValueError(f"{source}: layer_types={show(layer_types)} is not supported; allowed: {allowed}")
+        if len(layer_types) != hf.get("num_hidden_layers"):
+            raise ValueError(
+                f"{source}: layer_types has {len(layer_types)} entries; "
+                f"allowed: num_hidden_layers={hf.get('num_hidden_layers')}"
+            )
+        return {}
+
+    return Rule(("layer_types",), (), read, lambda config: {})
+
+
 def _head_dim_differs(config: ModelConfig) -> bool:
     return config.attention.head_dim != config.embed_dim // config.attention.num_heads
 

@@ -24,7 +24,7 @@ from eqmoe.config import (
 from eqmoe.models import qwen3_moe
 from eqmoe.models.family import Family, TensorName, layer_slots, register, swiglu_names
 from eqmoe.models.field_map import Field, FieldMap, Fixed, Known, Rule, show
-from eqmoe.models.hf_config import decoder_fields, rope_rule, sparse_layout_rule
+from eqmoe.models.hf_config import decoder_fields, full_attention_rule, rope_rule, sparse_layout_rule
 
 NAME = "qwen2_moe"
 
@@ -143,24 +143,6 @@ def _shared_write(config: ModelConfig) -> dict[str, Any]:
     return {"shared_expert_intermediate_size": config.moe.shared_width}
 
 
-def _layer_types_read(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """``layer_types`` must say ``full_attention`` for every layer: transformers gives a ``sliding_attention``
-    layer a window only with ``use_sliding_window``, which is refused."""
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        return {}
-    if not isinstance(layer_types, list) or any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(
-            f'{source}: layer_types={show(layer_types)} is not supported; allowed: null or a list of "full_attention"'
-        )
-    if len(layer_types) != hf.get("num_hidden_layers"):
-        raise ValueError(
-            f"{source}: layer_types has {len(layer_types)} entries; "
-            f"allowed: num_hidden_layers={hf.get('num_hidden_layers')}"
-        )
-    return {}
-
-
 def _qkv_bias_write(bias: str) -> bool:
     if bias not in ("none", "qkv"):
         raise ValueError("allowed: 'none' | 'qkv' (qkv_bias; o_proj has none)")
@@ -197,7 +179,7 @@ FIELD_MAP = FieldMap(
         ),
         Field("router_aux_loss_coef", "loss.load_balance_weight", 0.001, kind="number", read=float),
         sparse_layout_rule(lambda hf: hf.get("num_experts", 60), "Qwen2-MoE"),
-        Rule(("layer_types",), (), _layer_types_read, lambda config: {}),
+        full_attention_rule(),
         rope_rule(32768, "Qwen2-MoE"),
         Fixed("hidden_act", "silu"),
         Fixed("use_sliding_window", False),
