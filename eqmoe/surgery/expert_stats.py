@@ -115,10 +115,15 @@ def _run_layer(
     return PLACEMENTS.get(block.placement).residual(x, y, block.post_norm), sums
 
 
+def _float32(leaf):
+    return leaf.astype(jnp.float32) if eqx.is_inexact_array(leaf) else leaf
+
+
 def _layer_block(model: Transformer, segment: int, repeat: int, position: int) -> Block:
-    """One layer's block, sliced out of its stacked segment."""
+    """One layer's block, sliced out of its stacked segment, in float32 (a model held in bfloat16 is copied to float32
+    one layer at a time)."""
     blocks = model.segments[segment].blocks[position]
-    return jax.tree.map(lambda leaf: leaf[repeat] if eqx.is_array(leaf) else leaf, blocks)
+    return jax.tree.map(lambda leaf: _float32(leaf[repeat]) if eqx.is_array(leaf) else leaf, blocks)
 
 
 class Batch(NamedTuple):
@@ -128,8 +133,8 @@ class Batch(NamedTuple):
 
 
 def collect_expert_stats(model: Transformer, batches: Iterable[Batch]) -> ExpertStats:
-    """:class:`ExpertStats` of ``model`` (run in float32) over the real tokens of ``batches``."""
-    model = model.cast("float32")
+    """:class:`ExpertStats` of ``model`` (run in float32, whatever it is held in) over the real tokens of
+    ``batches``."""
     slots = list(layer_slots(model.config))
     routed = [layer for layer, s, r, u, _ in slots if isinstance(model.segments[s].blocks[u].ffn, MoE)]
     if not routed:
@@ -144,7 +149,7 @@ def collect_expert_stats(model: Transformer, batches: Iterable[Batch]) -> Expert
         context = model._context(
             jnp.asarray(batch.tokens), jnp.asarray(batch.segment_ids), jnp.asarray(batch.positions), token_mask, None
         )
-        x = model.embed[jnp.asarray(batch.tokens)]
+        x = _float32(model.embed[jnp.asarray(batch.tokens)])
         ordinal = 0
         for _, s, r, u, _ in slots:
             x, sums = _run_layer(_layer_block(model, s, r, u), x, context)

@@ -48,8 +48,6 @@ def pruned_config(config: ModelConfig, keep: int) -> ModelConfig:
         )
     if router.capacity_factor is not None:
         raise ValueError("capacity routing: each expert's capacity depends on the expert count, pruning is not defined")
-    if config.mtp_layers:
-        raise ValueError(f"the model has {config.mtp_layers} multi-token-prediction layer(s): not prunable here")
     if not top_k <= keep < experts:
         raise ValueError(
             f"keep {keep} experts: the layers have {experts} experts top-{top_k}; keep {top_k}..{experts - 1}"
@@ -63,6 +61,14 @@ def pruned_config(config: ModelConfig, keep: int) -> ModelConfig:
         return config.replace(moe=dataclasses.replace(moe, router=dataclasses.replace(router, num_experts=keep)))
     except ValueError as error:
         raise ValueError(f"keep {keep} experts: {error}") from None
+
+
+def check_no_mtp(config: ModelConfig) -> None:
+    """Refuse a model holding multi-token-prediction layers: their MoE would keep the old expert count."""
+    if config.mtp_layers:
+        raise ValueError(
+            f"the model has {config.mtp_layers} multi-token-prediction layer(s), which pruning does not cut"
+        )
 
 
 def keep_count(num_experts: int, keep: int | None, ratio: float | None) -> int:
@@ -137,6 +143,7 @@ def prune_model(
     """``model`` with every routed layer cut to its ``kept`` experts (rows in routed-layer order); with ``merge``, each
     kept expert's matrices are the ``merge``-weighted average of the old experts'. Arrays outside the routed layers
     are shared with ``model``, not copied."""
+    check_no_mtp(model.config)
     config = pruned_config(model.config, kept.shape[1])
     ordinals: dict[tuple[int, int], list[int]] = {}
     count = 0
