@@ -54,7 +54,6 @@ from experiments.options import ModelSourceOptions, ShapeOptions, TokenizerOptio
 @dataclass(frozen=True)
 class Args(ModelSourceOptions, TokenizerOption, ShapeOptions, OutputOptions):
     out_dir: Path = Path("runs/pruned")
-    """The pruned Hugging Face folder, with expert_scores.json and expert_scores.png beside its weights."""
     batch_size: int = 8
 
     keep: int | None = None
