@@ -6,7 +6,8 @@
 
 The model comes from ``--hf`` (a Hugging Face folder of any family with routed experts) or ``--checkpoint``. The
 calibration data is ``--data`` (text files, one document each, or JSONL files of ``{"text", "domain"}``, as
-``experiments.pretrain`` reads them) or, by default, the training split of the built-in corpus; documents are packed
+``experiments.pretrain`` reads them; conversation JSONL files as ``experiments.sft`` reads them, each rendered by the
+tokenizer's chat template) or, by default, the training split of the built-in corpus; documents are packed
 as pretraining packs them, and rows drawn in a ``--seed``-ed random order until ``--calibration-tokens`` real tokens
 (the last row cut to the budget). The model runs on them one layer at a time in float32
 (:mod:`eqmoe.surgery.expert_stats`), and each routed expert gets a score per layer:
@@ -40,7 +41,10 @@ import tyro
 
 from eqmoe.checkpoints import hf
 from eqmoe.checkpoints.source import load_source, source_tokenizer
-from eqmoe.data.corpus import load_documents, pack_documents, synthetic_documents
+from eqmoe.data.chat import render
+from eqmoe.data.corpus import Document, load_documents, pack_documents, synthetic_documents
+from eqmoe.data.formats import read_conversations
+from eqmoe.data.records import iter_records
 from eqmoe.data.tokenizer import check_tokenizer_fits
 from eqmoe.models import family as families
 from eqmoe.surgery import prune
@@ -68,8 +72,9 @@ class Args(ModelSourceOptions, TokenizerOption, ShapeOptions, OutputOptions):
     dropping it."""
 
     data: tuple[Path, ...] = ()
-    """Calibration text files (one document each) or JSONL files of {"text", "domain"} (default: the built-in
-    corpus's training split)."""
+    """Calibration text files (one document each), JSONL files of {"text", "domain"}, or conversation JSONL files
+    (messages, ShareGPT, prompt/completion: rendered by the chat template) (default: the built-in corpus's training
+    split)."""
     calibration_tokens: int = 8192
     """Real tokens of calibration data the statistics are taken over (fewer when the data runs out)."""
     chars_per_domain: int = 100_000
@@ -82,11 +87,26 @@ class Args(ModelSourceOptions, TokenizerOption, ShapeOptions, OutputOptions):
     """Replace an existing --out-dir instead of refusing."""
 
 
+def calibration_documents(paths: tuple[Path, ...], tokenizer) -> list[Document]:
+    """The documents of text files and ``{"text"}`` JSONL files (as ``pretrain`` reads them), and of conversation
+    files (as ``sft`` reads them: messages, ShareGPT or prompt/completion records), each conversation rendered by the
+    tokenizer's chat template as the model sees it in fine-tuning."""
+    documents = []
+    for path in paths:
+        first = next(iter_records(path), None) if path.is_file() and path.suffix == ".jsonl" else None
+        if first is None or "text" in first.record:
+            documents += load_documents([path])
+            continue
+        conversations = read_conversations(path)
+        documents += [Document(render(item.conversation, tokenizer), path.stem) for item in conversations.items]
+    return documents
+
+
 def calibration_batches(args: Args, tokenizer) -> list[Batch]:
     """Rows holding ``--calibration-tokens`` real tokens in a seeded random order, in batches of ``--batch-size``
     (the last filled with padding rows, so every batch compiles once)."""
     if args.data:
-        documents = load_documents(args.data)
+        documents = calibration_documents(args.data, tokenizer)
     else:
         documents = synthetic_documents("train", args.chars_per_domain, args.seed)
     rows = pack_documents(documents, tokenizer, args.seq_len).packed.rows

@@ -182,6 +182,23 @@ def test_a_deepseek_v3_with_grouped_sigmoid_routing_cut_to_half_loads_with_equal
     assert error <= 1e-4, error
 
 
+def test_conversations_calibrate_through_the_chat_template(tmp_path, capsys):
+    source = tmp_path / "source"
+    save_tiny_hf(source, **SMALL, vocab_size=260)  # no tokenizer file: eqmoe's byte tokenizer and ChatML
+    chats = tmp_path / "chats.jsonl"
+    turns = [[{"role": "user", "content": f"{a}+{a}?"}, {"role": "assistant", "content": str(2 * a)}] for a in range(9)]
+    chats.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in turns))
+    code, printed, err = _prune(capsys, source, tmp_path / "pruned", data=(chats,), keep=6, calibration_tokens=10_000)
+    assert code == 0, err
+    texts = [f"<|im_start|>user\n{a}+{a}?<|im_end|>\n<|im_start|>assistant\n{2 * a}<|im_end|>\n" for a in range(9)]
+    # one id per byte, one per special token (two <|im_start|> and two <|im_end|> a conversation), and the delimiter
+    expected = sum(
+        len(text.encode()) - 2 * (len("<|im_start|>") - 1) - 2 * (len("<|im_end|>") - 1) + 1 for text in texts
+    )
+    report = json.loads((tmp_path / "pruned" / "expert_scores.json").read_text())
+    assert report["calibration_tokens"] == expected
+
+
 # --- (c) bad requests ----------------------------------------------------------------------------------------------
 
 
