@@ -199,6 +199,33 @@ def test_conversations_calibrate_through_the_chat_template(tmp_path, capsys):
     assert report["calibration_tokens"] == expected
 
 
+# Every other family with routed experts, pruned and merged: gpt-oss by default (its softmax over the top-k logits,
+# router and expert biases, clamped SwiGLU and fused interleaved gate_up_proj), the rest with -m slow.
+OTHER_FAMILIES = ("gpt_oss", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v2", "qwen3_next", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize(
+    "family", [f if f == "gpt_oss" else pytest.param(f, marks=pytest.mark.slow) for f in OTHER_FAMILIES]
+)
+def test_every_family_with_routed_experts_cut_to_half_loads_with_equal_logits(family, tmp_path, capsys):
+    from tests.test_family_commands import _saver
+
+    source = tmp_path / "source"
+    _saver(family)(source, seed=0)
+    _word_tokenizer(source / "tokenizer.json")
+    _calibration_text(tmp_path / "calibration.txt")
+    router = hf.read_config(source).moe.router
+    keep = max(router.top_k, router.num_experts // 2)
+    for merge in (False, True):
+        out = tmp_path / f"pruned-{merge}"
+        fields = dict(data=(tmp_path / "calibration.txt",), keep=keep, merge=merge, calibration_tokens=256)
+        code, _, err = _prune(capsys, source, out, **fields)
+        assert code == 0, err
+        assert hf.read_config(out).moe.router.num_experts == keep
+        error = _max_logit_difference(out, hf.read_config(out).vocab_size)
+        assert error <= 1e-4, (merge, error)
+
+
 # --- (c) bad requests ----------------------------------------------------------------------------------------------
 
 
