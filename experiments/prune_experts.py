@@ -226,7 +226,7 @@ def run(args: Args) -> dict:
     groups = config.moe.router.expert_groups
     kept = prune.choose_kept(stats.scores(args.criterion), keep, groups)
     merge = prune.merge_weights(stats, kept, groups) if args.merge else None
-    pruned = prune.prune_model(model, kept, merge)
+    pruned = prune.prune_model(model, kept, merge, consume=True)
     del model
     report = _report(stats, args, kept, merge, str(folder))
     with tempfile.TemporaryDirectory() as scratch:

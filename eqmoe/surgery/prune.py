@@ -139,10 +139,14 @@ def prune_model(
     model: Transformer,
     kept: Int[np.ndarray, "layers keep"],
     merge: Float[np.ndarray, "layers keep experts"] | None = None,
+    *,
+    consume: bool = False,
 ) -> Transformer:
     """``model`` with every routed layer cut to its ``kept`` experts (rows in routed-layer order); with ``merge``, each
     kept expert's matrices are the ``merge``-weighted average of the old experts'. Arrays outside the routed layers
-    are shared with ``model``, not copied."""
+    are shared with ``model``, not copied. With ``consume`` each cut array of ``model`` is freed as soon as its
+    replacement exists, so memory holds the model and one stacked array more, never both models (``model`` is
+    unusable afterwards)."""
     check_no_mtp(model.config)
     config = pruned_config(model.config, kept.shape[1])
     ordinals: dict[tuple[int, int], list[int]] = {}
@@ -153,21 +157,27 @@ def prune_model(
             count += 1
     if count != len(kept) or (merge is not None and merge.shape[:2] != kept.shape):
         raise ValueError(f"prune_model: {len(kept)} rows of kept experts for {count} routed layers")
+    if any("adapter" in _path(key_path) for key_path, _ in jax.tree_util.tree_leaves_with_path(model)):
+        raise ValueError("the model carries LoRA adapters: merge them into its weights before pruning")
 
-    def cut(key_path, leaf):
-        path = _path(key_path)
-        if len(path) < 6 or path[0] != "segments" or path[4] != "ffn" or path[5] not in ("router", "experts"):
-            return leaf
-        if "adapter" in path:
-            raise ValueError("the model carries LoRA adapters: merge them into its weights before pruning")
-        layers = ordinals[(path[1], path[3])]
+    def cut_array(leaf, part: str, layers: list[int]):
         # the router's gate weight [repeats, embed, experts], its gate bias and selection bias [repeats, experts]
-        if path[5] == "router":
+        if part == "router":
             return jnp.stack([leaf[r][..., kept[layer]] for r, layer in enumerate(layers)])
         if merge is None:  # expert matrices and biases [repeats, experts, ...]
             return jnp.stack([leaf[r][kept[layer]] for r, layer in enumerate(layers)])
         mixing = jnp.asarray(merge[layers], jnp.float32)
         return jnp.einsum("rne,re...->rn...", mixing, leaf.astype(jnp.float32)).astype(leaf.dtype)
+
+    def cut(key_path, leaf):
+        path = _path(key_path)
+        if len(path) < 6 or path[0] != "segments" or path[4] != "ffn" or path[5] not in ("router", "experts"):
+            return leaf
+        new = cut_array(leaf, path[5], ordinals[(path[1], path[3])])
+        if consume:
+            new.block_until_ready()
+            leaf.delete()
+        return new
 
     cut_model = jax.tree_util.tree_map_with_path(cut, model)
     abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
