@@ -7,7 +7,7 @@ calibration seeds.
 
 Each seed draws its own calibration sample (``experiments.prune_experts``'s: the built-in corpus's training split, or
 ``--data``, in that seed's order) and takes the expert statistics once; every criterion (REAP, frequency,
-router-weight, and a seeded random choice as the floor) then cuts the model to ``--keep`` experts per layer, by
+router-weight, EAN, and a seeded random choice as the reference) then cuts the model to ``--keep`` experts per layer, by
 dropping the others or by merging them (``--merge`` of ``prune_experts``), and the cut model's loss is measured on the
 held-out split of the built-in corpus (every held-out row, token-weighted, as ``experiments.pretrain`` evaluates),
 the same rows for every arm. Prints a Markdown table (mean ± sample standard deviation over seeds) and writes

@@ -15,7 +15,8 @@ as pretraining packs them, and rows drawn in a ``--seed``-ed random order until 
 - ``reap`` (REAP, Lasby et al. 2025): the mean, over the calibration tokens routed to the expert, of its gate value
   (the combine weight the model gives it) times the L2 norm of its output;
 - ``frequency``: the share of calibration tokens routed to it;
-- ``router-weight``: its gate values summed over the tokens routed to it, per calibration token.
+- ``router-weight``: its gate values summed over the tokens routed to it, per calibration token;
+- ``ean``: its output norms summed over the tokens routed to it, per calibration token (REAP's EAN baseline).
 
 Every layer keeps its ``--keep`` best experts (or ``1 - --ratio`` of them; the same count in every layer), in their
 original order; the router's columns (and its gate and selection biases) and the expert matrices are cut to them,
@@ -48,7 +49,7 @@ from eqmoe.data.records import iter_records
 from eqmoe.data.tokenizer import check_tokenizer_fits
 from eqmoe.models import family as families
 from eqmoe.surgery import prune
-from eqmoe.surgery.expert_stats import Batch, Criterion, ExpertStats, collect_expert_stats
+from eqmoe.surgery.expert_stats import CRITERIA, Batch, Criterion, ExpertStats, collect_expert_stats
 from eqmoe.train.logging import new_figure, save_figure, write_json_atomic
 from eqmoe.train.loop import OutputOptions
 from experiments._cli import UsageError, guarded
@@ -66,7 +67,8 @@ class Args(ModelSourceOptions, TokenizerOption, ShapeOptions, OutputOptions):
     """Instead of --keep: the fraction of each layer's routed experts removed (0.5 keeps half)."""
     criterion: Criterion = "reap"
     """What decides which experts stay: reap (mean gate value x output norm over the tokens routed to the expert),
-    frequency (share of tokens routed to it) or router-weight (its summed gate values per token)."""
+    frequency (share of tokens routed to it), router-weight (its summed gate values per token) or ean (its summed
+    output norms per token)."""
     merge: bool = False
     """Fold each removed expert into its nearest kept expert (cosine of mean outputs), frequency-weighted, instead of
     dropping it."""
@@ -193,7 +195,7 @@ def _report(stats: ExpertStats, args: Args, kept: np.ndarray, merge: np.ndarray 
         "calibration_tokens": stats.tokens,
         "seed": args.seed,
         "layers": stats.layers.tolist(),
-        "scores": {name: stats.scores(name).tolist() for name in ("reap", "frequency", "router-weight")},
+        "scores": {name: stats.scores(name).tolist() for name in CRITERIA},
         "token_counts": stats.counts.astype(int).tolist(),
         "kept": kept.tolist(),
         "merged_into_kept": None if merge is None else prune.merge_groups(merge, kept),

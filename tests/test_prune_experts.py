@@ -1,5 +1,5 @@
-"""Expert pruning (experiments.prune_experts, eqmoe.surgery): the REAP, frequency and router-weight scores against a
-NumPy computation of their formulas from the safetensors weights and transformers' own MoE inputs; pruned and merged
+"""Expert pruning (experiments.prune_experts, eqmoe.surgery): the REAP, frequency, router-weight and EAN scores against
+a NumPy computation of their formulas from the safetensors weights and transformers' own MoE inputs; pruned and merged
 folders that transformers loads with logits equal to eqmoe's; bad requests refused in one line with nothing written."""
 
 import dataclasses
@@ -67,7 +67,7 @@ def _max_logit_difference(folder, vocab: int) -> float:
 
 
 def _numpy_scores(weights: dict, inputs: np.ndarray, layer: int, top_k: int) -> dict[str, np.ndarray]:
-    """REAP, frequency and router-weight of one Qwen3-MoE layer from its safetensors weights and its MoE inputs
+    """REAP, frequency, router-weight and EAN of one Qwen3-MoE layer from its safetensors weights and its MoE inputs
     ``[tokens, embed]``: softmax router, top-k renormalised, SwiGLU experts ``down(silu(gate x) * up x)``."""
     prefix = f"model.layers.{layer}.mlp."
     logits = inputs @ weights[prefix + "gate.weight"].T
@@ -77,7 +77,7 @@ def _numpy_scores(weights: dict, inputs: np.ndarray, layer: int, top_k: int) -> 
     gates = np.take_along_axis(probs, chosen, -1)
     gates /= gates.sum(-1, keepdims=True)
     experts = probs.shape[1]
-    reap, counts, gate_sums = np.zeros(experts), np.zeros(experts), np.zeros(experts)
+    reap, counts, gate_sums, norm_sums = (np.zeros(experts) for _ in range(4))
     for j in range(experts):
         gate, up, down = (weights[f"{prefix}experts.{j}.{name}_proj.weight"] for name in ("gate", "up", "down"))
         g = inputs @ gate.T
@@ -86,11 +86,12 @@ def _numpy_scores(weights: dict, inputs: np.ndarray, layer: int, top_k: int) -> 
         counts[j] = len(routed)
         gate_sums[j] = gates[routed, rank].sum()
         reap[j] = (gates[routed, rank] * np.linalg.norm(out[routed], axis=-1)).sum() / max(len(routed), 1)
+        norm_sums[j] = np.linalg.norm(out[routed], axis=-1).sum()
     tokens = len(inputs)
-    return {"reap": reap, "frequency": counts / tokens, "router-weight": gate_sums / tokens}
+    return {"reap": reap, "frequency": counts / tokens, "router-weight": gate_sums / tokens, "ean": norm_sums / tokens}
 
 
-def test_reap_frequency_and_router_weight_scores_equal_their_formulas_in_numpy(tmp_path):
+def test_reap_frequency_router_weight_and_ean_scores_equal_their_formulas_in_numpy(tmp_path):
     save_tiny_hf(tmp_path, **SMALL)
     reference = load_reference(tmp_path)
     weights = {key: value.astype(np.float64) for key, value in load_file(tmp_path / "model.safetensors").items()}

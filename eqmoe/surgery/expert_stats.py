@@ -9,6 +9,7 @@ float32, and four sums are kept per expert ``j`` over the calibration tokens ``x
 - ``gate_sums[j] = sum_{x in X_j} g_j(x)``, with ``g_j(x)`` the combine weight the model gives ``j`` on ``x`` (after
   the family's softmax or sigmoid, top-k renormalisation and scaling factor, as the layer applies it);
 - ``reap_sums[j] = sum_{x in X_j} g_j(x) ||f_j(x)||_2``, with ``f_j(x)`` the expert's output;
+- ``norm_sums[j] = sum_{x in X_j} ||f_j(x)||_2``;
 - ``output_sums[j] = sum_x f_j(x)`` over all tokens (the expert's mean output, HC-SMoE's representation of an expert,
   which the merge compares experts by).
 
@@ -18,7 +19,9 @@ The scores the criteria read (:meth:`ExpertStats.scores`):
   reached);
 - ``frequency``: ``counts / tokens``, the share of calibration tokens routed to the expert;
 - ``router-weight``: ``gate_sums / tokens``, the gate value summed over the tokens routed to it, per calibration
-  token (the soft count of the frequency baseline).
+  token (the soft count of the frequency baseline);
+- ``ean``: ``norm_sums / tokens``, the expert activation norm summed over the tokens routed to it (EAN, the pruning
+  baseline REAP compares against besides frequency), per calibration token.
 """
 
 from collections.abc import Iterable
@@ -38,8 +41,8 @@ from eqmoe.nn.experts import RoutedExperts
 from eqmoe.nn.moe import MoE
 from eqmoe.nn.router import Routing
 
-Criterion = Literal["reap", "frequency", "router-weight"]
-CRITERIA: tuple[Criterion, ...] = ("reap", "frequency", "router-weight")
+Criterion = Literal["reap", "frequency", "router-weight", "ean"]
+CRITERIA: tuple[Criterion, ...] = ("reap", "frequency", "router-weight", "ean")
 
 
 class ExpertStats(NamedTuple):
@@ -50,6 +53,7 @@ class ExpertStats(NamedTuple):
     counts: Float[np.ndarray, "layers experts"]
     gate_sums: Float[np.ndarray, "layers experts"]
     reap_sums: Float[np.ndarray, "layers experts"]
+    norm_sums: Float[np.ndarray, "layers experts"]
     output_sums: Float[np.ndarray, "layers experts embed"]
 
     def scores(self, criterion: Criterion) -> Float[np.ndarray, "layers experts"]:
@@ -60,6 +64,8 @@ class ExpertStats(NamedTuple):
             return self.counts / max(self.tokens, 1)
         if criterion == "router-weight":
             return self.gate_sums / max(self.tokens, 1)
+        if criterion == "ean":
+            return self.norm_sums / max(self.tokens, 1)
         raise ValueError(f"criterion {criterion!r} is invalid; allowed: {' | '.join(CRITERIA)}")
 
     def mean_outputs(self) -> Float[np.ndarray, "layers experts embed"]:
@@ -70,6 +76,7 @@ class LayerSums(NamedTuple):
     counts: Float[Array, " experts"]
     gate_sums: Float[Array, " experts"]
     reap_sums: Float[Array, " experts"]
+    norm_sums: Float[Array, " experts"]
     output_sums: Float[Array, "experts embed"]
 
 
@@ -98,7 +105,8 @@ def moe_layer_sums(
     routed = chosen.sum(axis=1)  # [T, E]: 1 where the expert is among the token's kept top-k
     gates = jnp.einsum("tk,tke->te", routing.weights.astype(jnp.float32), chosen)
     norms, output_sums = expert_outputs_norms_and_sums(moe.experts, flat, real)
-    return LayerSums(routed.sum(axis=0), gates.sum(axis=0), (gates * norms.T).sum(axis=0), output_sums)
+    reap_sums, norm_sums = (gates * norms.T).sum(axis=0), (routed * norms.T).sum(axis=0)
+    return LayerSums(routed.sum(axis=0), gates.sum(axis=0), reap_sums, norm_sums, output_sums)
 
 
 @eqx.filter_jit
@@ -140,7 +148,7 @@ def collect_expert_stats(model: Transformer, batches: Iterable[Batch]) -> Expert
     if not routed:
         raise ValueError("the model has no routed experts (a dense model): there is nothing to prune")
     num_experts, embed = model.config.moe.router.num_experts, model.config.embed_dim
-    counts, gate_sums, reap_sums = (np.zeros((len(routed), num_experts)) for _ in range(3))
+    counts, gate_sums, reap_sums, norm_sums = (np.zeros((len(routed), num_experts)) for _ in range(4))
     output_sums = np.zeros((len(routed), num_experts, embed))
     tokens = 0
     for batch in batches:
@@ -157,6 +165,7 @@ def collect_expert_stats(model: Transformer, batches: Iterable[Batch]) -> Expert
                 counts[ordinal] += np.asarray(sums.counts)
                 gate_sums[ordinal] += np.asarray(sums.gate_sums)
                 reap_sums[ordinal] += np.asarray(sums.reap_sums)
+                norm_sums[ordinal] += np.asarray(sums.norm_sums)
                 output_sums[ordinal] += np.asarray(sums.output_sums)
                 ordinal += 1
-    return ExpertStats(np.asarray(routed, np.int32), tokens, counts, gate_sums, reap_sums, output_sums)
+    return ExpertStats(np.asarray(routed, np.int32), tokens, counts, gate_sums, reap_sums, norm_sums, output_sums)
