@@ -116,8 +116,7 @@ def calibration_batches(args: Args, tokenizer) -> list[Batch]:
     tokens, segment_ids, positions = (
         np.asarray(array)[order] for array in (rows.tokens, rows.segment_ids, rows.positions)
     )
-    segment_ids = segment_ids.copy()
-    real = segment_ids > 0
+    real = segment_ids > 0  # the permuted rows are a copy: the cut below leaves the packed data alone
     budget = np.cumsum(real.reshape(-1)).reshape(real.shape) <= args.calibration_tokens
     segment_ids[~budget] = 0
     used = int(np.flatnonzero((segment_ids > 0).any(axis=1)).max(initial=-1)) + 1
