@@ -238,6 +238,8 @@ def test_bad_requests_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
     micro = presets.get("qwen3-moe-micro")
     all_dense = micro.replace(layers=tuple(dataclasses.replace(layer, ffn="dense") for layer in micro.layers))
     save_model(Transformer(all_dense, key=jax.random.key(0)), dense)  # no routed layer
+    envy = tmp_path / "envy"  # AXLearn's Top2Gating with capacity: an expert's capacity depends on the expert count
+    save_model(Transformer(presets.get("envy-test"), key=jax.random.key(0)), envy)
     V3.save_tiny(grouped, **V3_CASES["latent-yarn-grouped"])  # 16 experts in 4 groups
     qwen3_dense = tmp_path / "qwen3"
     transformers.Qwen3ForCausalLM(
@@ -258,6 +260,7 @@ def test_bad_requests_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
         (None, dict(checkpoint=dense, keep=4), "no routed experts (a dense model)"),
         (qwen3_dense, dict(keep=4), "qwen3"),  # a dense family: not read as a MoE folder, or no routed experts
         (grouped, dict(keep=6), "group-limited routing over 4 groups"),
+        (None, dict(checkpoint=envy, keep=4), "routing strategy 'top2_gating': pruning is defined for softmax or"),
     ]
     for source, fields, expected in cases:
         out = tmp_path / "out"
