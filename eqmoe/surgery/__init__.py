@@ -1,0 +1,1 @@
+"""Model surgery on trained MoE models: expert pruning and merging from calibration statistics."""
