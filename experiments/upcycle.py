@@ -6,7 +6,7 @@
 
 Sparse upcycling (Komatsuzaki et al. 2022) with Drop-Upcycling's partial re-initialisation (Nakamura et al. 2025):
 a Qwen3 folder becomes Qwen3-MoE, a Llama folder Mixtral (or Qwen2-MoE with one shared expert); see
-:mod:`eqmoe.checkpoints.upcycle` for why the result computes the dense model's function at step 0 without
+:mod:`eqmoe.surgery.upcycle` for why the result computes the dense model's function at step 0 without
 re-initialisation, and what each family can hold. The folder written is an ordinary checkpoint of that family:
 ``sft --init-from-hf``, ``pretrain --init-from-hf``, ``ablate --init-from-hf``, ``convert`` and transformers load it.
 Tensors stream one at a time (host memory: one output shard, ``--max-shard-size``); the folder is written under a
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import tyro
 
-from eqmoe.checkpoints.upcycle import Upcycling, upcycle
 from eqmoe.data.hub import resolve_folder
+from eqmoe.surgery.upcycle import Upcycling, upcycle
 from experiments._cli import UsageError, guarded
 
 

@@ -1,1 +1,2 @@
-"""Model surgery on trained MoE models: expert pruning and merging from calibration statistics."""
+"""Model surgery: dense checkpoints upcycled into MoE ones, and a trained MoE's experts pruned or merged from
+calibration statistics."""
