@@ -18,7 +18,7 @@ A LoRA run's adapters are merged into the weights (``--merge``, the default) or 
 folder (``--adapter-only``) for ``peft.PeftModel.from_pretrained`` on the base; a checkpoint that holds only what
 training changed reads the rest from its base folder, which must be the one it was trained on (``--base`` when
 it moved).
-Tensors move one at a time, so host memory holds about the model once plus one tensor (plus one output shard
+Tensors move one at a time, so host memory holds about the model once plus one tensor (also
 when writing HF). Outputs are written under a temporary name and renamed; an existing output is refused
 unless ``--overwrite``. Any problem with the inputs is one line on stderr and exit code 2.
 A block-FP8 folder (DeepSeek-V3's published layout) or an MXFP4 one (gpt-oss's published expert weights) is

@@ -9,7 +9,7 @@ a Qwen3 folder becomes Qwen3-MoE, a Llama folder Mixtral (or Qwen2-MoE with one 
 :mod:`eqmoe.surgery.upcycle` for why the result computes the dense model's function at step 0 without
 re-initialisation, and what each family can hold. The folder written is an ordinary checkpoint of that family:
 ``sft --init-from-hf``, ``pretrain --init-from-hf``, ``ablate --init-from-hf``, ``convert`` and transformers load it.
-Tensors stream one at a time (host memory: one output shard, ``--max-shard-size``); the folder is written under a
+Tensors stream one at a time (host memory: one tensor of the output); the folder is written under a
 temporary name and renamed. A request that cannot be met (top-k above the experts, a MoE or unsupported model, a drop
 ratio outside [0, 1], an existing output) is one line on stderr and exit code 2, with nothing written.
 """

@@ -12,6 +12,7 @@ import numpy as np
 
 from eqmoe.checkpoints._staging import staged_folder
 from eqmoe.checkpoints.hf_layout import INDEX_FILE, SINGLE_FILE, checkpoint_names, leaf_at, to_checkpoint_layout
+from eqmoe.checkpoints.safetensors_io import StreamedFile
 from eqmoe.model import Transformer
 from eqmoe.models import family as families
 from eqmoe.nn.fp8 import is_block_fp8
@@ -75,7 +76,7 @@ def save(
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the tensors
     exceed ``max_shard_size``. Tensors are cast to ``dtype`` (default: the parameters' dtype).
 
-    Tensors are streamed: host memory holds about one shard. The folder is assembled under a temporary
+    Tensors are streamed: host memory holds one tensor at a time. The folder is assembled under a temporary
     name beside ``folder`` and renamed into place, so a failure never leaves a half-written checkpoint.
     An existing ``folder`` is refused unless ``overwrite``. ``extra_files`` (e.g. :func:`side_files` of the
     source folder) are copied in beside the weights.
@@ -104,10 +105,8 @@ def write_folder(
 ) -> Path:
     """Write ``hf_config`` as ``config.json`` and the ``count`` named ``tensors`` as safetensors beside it, in shards
     of at most ``max_shard_size`` (:func:`save`'s layout), pulling the tensors one at a time: host memory holds one
-    shard. Staged under a temporary name and renamed into place; an existing ``folder`` is refused unless
-    ``overwrite``."""
-    from safetensors.numpy import save_file
-
+    tensor (:class:`~eqmoe.checkpoints.safetensors_io.StreamedFile`). Staged under a temporary name and renamed into
+    place; an existing ``folder`` is refused unless ``overwrite``."""
     folder = Path(folder)
     limit = _shard_bytes(max_shard_size)
     with staged_folder(folder, overwrite=overwrite) as staging:
@@ -115,23 +114,18 @@ def write_folder(
             shutil.copyfile(extra, staging / Path(extra).name)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         shards: list[list[str]] = []
-        pending: dict[str, np.ndarray] = {}
-        pending_bytes = total = 0
-
-        def flush():
-            save_file(pending, str(staging / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
-            shards.append(list(pending))
-            pending.clear()
-
+        shard, total = None, 0
         for key, tensor in phase_bar(tensors, f"writing {folder.name}", total=count, unit="tensor"):
-            tensor = np.ascontiguousarray(tensor)
-            if pending and pending_bytes + tensor.nbytes > limit:
-                flush()
-                pending_bytes = 0
-            pending[key] = tensor
-            pending_bytes += tensor.nbytes
+            if shard is not None and shard.keys and shard.size + tensor.nbytes > limit:
+                shards.append(shard.close())
+                shard = None
+            if shard is None:
+                shard = StreamedFile(staging / f"shard-{len(shards)}.tmp", metadata={"format": "pt"})
+            shard.add(key, tensor)
             total += tensor.nbytes
-        flush()
+        if shard is None:
+            shard = StreamedFile(staging / "shard-0.tmp", metadata={"format": "pt"})
+        shards.append(shard.close())
         if len(shards) == 1:
             (staging / "shard-0.tmp").rename(staging / SINGLE_FILE)
         else:

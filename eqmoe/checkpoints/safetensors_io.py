@@ -6,6 +6,7 @@ NumPy backend cannot return), so one tensor at a time is read from disk.
 """
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -27,6 +28,45 @@ DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+_NAMES = {np.dtype(numpy_type): name for name, numpy_type in DTYPES.items()}
+
+
+class StreamedFile:
+    """A safetensors file written one tensor at a time, so that the writer holds one tensor, not the file's. The
+    header, which comes first in the file, is known only once every tensor is in: the data go to a scratch file
+    beside ``path`` as they come, and :meth:`close` writes the header and then moves the data in behind it."""
+
+    def __init__(self, path: Path, metadata: dict[str, str] | None = None):
+        self.path, self.keys, self.size = Path(path), [], 0
+        self._header: dict = {"__metadata__": metadata} if metadata else {}
+        self._scratch = self.path.with_name(self.path.name + ".data")
+        self._data = open(self._scratch, "wb")  # noqa: SIM115 (closed by close())
+
+    def add(self, key: str, tensor: np.ndarray) -> None:
+        if key in self._header:
+            raise ValueError(f"{self.path}: tensor {key!r} written twice")
+        tensor = np.asarray(tensor, order="C")  # (ascontiguousarray would make a scalar one-dimensional)
+        if tensor.dtype not in _NAMES:
+            raise ValueError(f"{self.path}: tensor {key!r} has dtype {tensor.dtype}, which safetensors cannot hold")
+        self._data.write(tensor.reshape(-1).view(np.uint8).data)  # bfloat16 and FP8 hold no buffer format of their own
+        self._header[key] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.size, self.size + tensor.nbytes],
+        }
+        self.keys.append(key)
+        self.size += tensor.nbytes
+
+    def close(self) -> list[str]:
+        """Write the file (header, then the data); its tensor names, in order."""
+        self._data.close()
+        header = json.dumps(self._header, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data start 8-byte aligned, as safetensors writes them
+        with open(self.path, "wb") as out, open(self._scratch, "rb") as data:
+            out.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, out, length=1 << 20)  # a small buffer: memory is the point
+        self._scratch.unlink()
+        return self.keys
 
 
 class SafetensorsFile:

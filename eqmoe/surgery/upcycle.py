@@ -27,7 +27,7 @@ and ``up_proj`` and their columns of ``down_proj`` from ``N(mean, std^2)`` of th
 the function then differs from the dense model's by design. The shared expert is kept whole.
 
 The output is streamed tensor by tensor (:func:`eqmoe.checkpoints.hf_write.write_folder`): host memory holds one
-output shard and the dense tensors it is copied from are memory-mapped, never the whole model.
+output tensor at a time and the dense tensors it is copied from are memory-mapped, never the whole model.
 """
 
 import json
