@@ -6,13 +6,32 @@ import random
 from pathlib import Path
 
 import jax
-
 from chat_fixtures import write_tokenizer_folder
+
 from eqmoe import Transformer, presets
 from eqmoe.checkpoints import hf
 from eqmoe.data import load_tokenizer
 
-WORDS = "the weather in Paris is sunny cold warm degrees what plus and reverse sort small first tool call".split()
+WORDS = [
+    "the",
+    "weather",
+    "in",
+    "Paris",
+    "is",
+    "sunny",
+    "cold",
+    "warm",
+    "degrees",
+    "what",
+    "plus",
+    "and",
+    "reverse",
+    "sort",
+    "small",
+    "first",
+    "tool",
+    "call",
+]
 TASKS = ("eqmoe_test_mc", "eqmoe_test_gen", "eqmoe_test_ppl")
 
 
@@ -44,7 +63,7 @@ def write_tasks(folder: Path, *, items: int = 12, documents: int = 4, document_w
     ppl = [{"text": " ".join(w for row in _rows(document_words // 5, 3 + i) for w in row)} for i in range(documents)]
     for name, rows in (("mc", mc), ("gen", gen), ("ppl", ppl)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = f"dataset_path: json\ntest_split: train\nmetadata:\n  version: 1.0\n"
+    common = "dataset_path: json\ntest_split: train\nmetadata:\n  version: 1.0\n"
     data = "dataset_kwargs:\n  data_files:\n    train: {}\n"
     (folder / "mc.yaml").write_text(
         f"task: eqmoe_test_mc\n{common}{data.format(folder / 'mc.jsonl')}output_type: multiple_choice\n"
@@ -54,7 +73,7 @@ def write_tasks(folder: Path, *, items: int = 12, documents: int = 4, document_w
     (folder / "gen.yaml").write_text(
         f"task: eqmoe_test_gen\n{common}{data.format(folder / 'gen.jsonl')}output_type: generate_until\n"
         'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
-        "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 10\n  do_sample: false\n"
+        'generation_kwargs:\n  until: ["\\n", "."]\n  max_gen_toks: 10\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n"
     )
     (folder / "ppl.yaml").write_text(

@@ -165,7 +165,8 @@ class EqmoeLM(TemplateLM):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         texts: list[str | None] = [None] * len(requests)
         # HFLM adds the eos token's text, special or not, to every request's stop sequences
-        eos_text = getattr(self._text, "special_ids", {}).get(self.eot_token_id) or self._text.decode([self.eot_token_id])
+        eot = self.eot_token_id
+        eos_text = getattr(self._text, "special_ids", {}).get(eot) or self._text.decode([eot])
         for indices in groups.values():
             options = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(options.pop("until", None), eos=eos_text)
@@ -183,9 +184,9 @@ class EqmoeLM(TemplateLM):
         return texts  # type: ignore[return-value]
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self._chat_tokenizer().chat_template.render(
-            chat_history, add_generation_prompt=add_generation_prompt
-        ).text
+        return (
+            self._chat_tokenizer().chat_template.render(chat_history, add_generation_prompt=add_generation_prompt).text
+        )
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if chat_template is False or chat_template is None:

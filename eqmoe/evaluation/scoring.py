@@ -35,7 +35,10 @@ def bucket_length(length: int, limit: int | None = None) -> int:
 
 @eqx.filter_jit
 def token_logprobs(
-    model: Transformer, tokens: Int[Array, "batch seq"], mask: Bool[Array, "batch seq"], targets: Int[Array, "batch seq"]
+    model: Transformer,
+    tokens: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
 ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
     """Per position: log p(``targets``) under the model reading ``tokens`` (padding where ``mask`` is false, never
     attended to), and whether the target is the argmax. Softmax in float32, as lm-eval's log_softmax."""
