@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tyro
 
+from eqmoe.train.tracking import TrackerOptions
 from experiments._cli import UsageError, guarded
 from experiments.options import DtypeOption, EvalTaskOptions, MeshOptions, ModelSourceOptions, TokenizerOption
 
@@ -32,17 +33,13 @@ INSTALL = "pip install 'eqmoe[eval]'"
 
 
 @dataclass(frozen=True)
-class Args(ModelSourceOptions, TokenizerOption, DtypeOption, MeshOptions, EvalTaskOptions):
+class Args(ModelSourceOptions, TokenizerOption, DtypeOption, MeshOptions, EvalTaskOptions, TrackerOptions):
     tasks: tuple[str, ...] = ()
     """lm-eval task (or group) names, e.g. hellaswag arc_easy; local ones need --include-path."""
     out_dir: Path = Path("runs/eval")
     """Where results.json, results.md (and samples.jsonl) are written."""
     log_samples: bool = False
     """Also write every request and response (samples.jsonl)."""
-    tracker: tuple[str, ...] = ("jsonl",)
-    """Also send the scores to: tensorboard (OUT_DIR/tensorboard), wandb."""
-    wandb_project: str = "eqmoe"
-    """W&B project of --tracker wandb."""
     seed: int = 0
     """Seed of lm-eval's few-shot sampling and of any sampled generation."""
 
@@ -77,6 +74,13 @@ def evaluate_model(options: EvalTaskOptions, tasks: tuple[str, ...], source, par
         apply_chat_template=options.apply_chat_template,
     )
     return lm_harness.scores(results)
+
+
+def print_lm_eval(scores: dict | None) -> None:
+    """A training command's closing lines for its ``--eval-tasks`` scores (nothing without them)."""
+    for task, values in (scores or {}).items():
+        shown = "  ".join(f"{name} {value:.4f}" for name, value in values.items() if not name.endswith("_stderr"))
+        print(f"  lm-eval {task}: {shown}")
 
 
 def check_eval_tasks(options: EvalTaskOptions, tasks: tuple[str, ...]) -> None:
@@ -147,7 +151,8 @@ def run(args: Args) -> dict:
                 for task, rows in samples.items():
                     for row in rows:
                         file.write(json.dumps({"task": task, **row}, default=str) + "\n")
-        trackers = start_trackers(args.tracker, args.out_dir, dataclasses.asdict(args), resumed_at=None)
+        config = json.loads(json.dumps(dataclasses.asdict(args), default=str))
+        trackers = start_trackers(args.tracker, args.out_dir, config, resumed_at=None, wandb_project=args.wandb_project)
         flat = {f"lm_eval/{task}/{name}": value for task, values in scores.items() for name, value in values.items()}
         trackers.record({"step": args.step or 0, **flat})
         trackers.close()

@@ -252,3 +252,17 @@ class EvalTaskOptions:
     max_length: int | None = None
     """Longest input in tokens: longer contexts are cut from the left, perplexity uses windows of this length
     (default: config.json's max_position_embeddings, else 2048)."""
+
+
+@dataclass(frozen=True)
+class EvalOptions(EvalTaskOptions):
+    """lm-eval tasks a training run is scored on when it ends (its summary.json's ``lm_eval``)."""
+
+    # scoring the final model changes nothing about training
+    changeable_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {"eval_tasks", "include_path", "limit", "num_fewshot", "apply_chat_template", "eval_batch_size", "max_length"}
+    )
+
+    eval_tasks: tuple[str, ...] = ()
+    """lm-eval tasks to score the final model on (needs pip install 'eqmoe[eval]'); local task YAMLs with
+    --include-path DIR."""

@@ -92,3 +92,38 @@ def test_bad_task_missing_data_and_a_misfit_tokenizer_are_one_line_and_exit_2(fo
     small = write_model_folder(tmp_path / "small", vocab_padding=-40)
     err = _one_line_exit_2(capsys, evaluate.Args(hf=small, tasks=(MC,), include_path=tasks))
     assert "tokenizer" in err and "vocabulary" in err
+
+
+def test_sft_eval_tasks_puts_the_final_models_scores_in_its_summary(folders, tmp_path):
+    from experiments import sft
+    from experiments.options import EvalOptions
+
+    _, tasks = folders
+    out = tmp_path / "sft"
+    args = sft.Args(
+        model=sft.ModelOptions(preset="qwen3-moe-micro"),
+        data=sft.DataOptions(seq_len=64, batch_size=4, train_examples=40, eval_examples=4),
+        run=sft.RunOptions(steps=2, out_dir=out, checkpoint_every=10, eval_every=1000, log_every=1, samples=0),
+        eval=EvalOptions(eval_tasks=(MC, "eqmoe_test_ppl"), include_path=tasks, max_length=32, eval_batch_size=16),
+    )
+    summary = sft.run(args)
+    written = json.loads((out / "summary.json").read_text())
+    assert written["lm_eval"] == summary["lm_eval"]
+    assert 0 <= written["lm_eval"][MC]["acc"] <= 1
+    assert written["lm_eval"]["eqmoe_test_ppl"]["word_perplexity"] > 1  # the byte tokenizer the run trained with
+
+
+def test_a_bad_eval_task_stops_sft_before_it_trains(folders, tmp_path, capsys):
+    from experiments import sft
+    from experiments.options import EvalOptions
+
+    _, tasks = folders
+    out = tmp_path / "sft"
+    args = sft.Args(
+        run=sft.RunOptions(steps=2, out_dir=out),
+        eval=EvalOptions(eval_tasks=("no_such_task",), include_path=tasks),
+    )
+    assert sft.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_task" in err
+    assert not (out / "checkpoints").exists()
