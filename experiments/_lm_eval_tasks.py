@@ -8,6 +8,7 @@ from pathlib import Path
 
 WORDS = "the weather in Paris is sunny cold warm degrees what plus and reverse sort small first tool call".split()  # noqa: SIM905
 TASKS = ("eqmoe_test_mc", "eqmoe_test_gen", "eqmoe_test_ppl")
+FILES = ("mc", "gen", "ppl")  # the JSONL data of TASKS, in order, in the task folder
 
 
 def _rows(count: int, seed: int, longest: int = 9) -> list[list[str]]:

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import tyro
 
-from experiments._lm_eval_tasks import TASKS, WORDS, write_tasks
+from experiments._lm_eval_tasks import FILES, TASKS, WORDS, write_tasks
 from experiments.options import JsonFileOptions
-
-FILES = ("mc", "gen", "ppl")  # the data files of TASKS, in order
 
 
 @dataclass(frozen=True)

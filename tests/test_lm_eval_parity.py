@@ -3,9 +3,13 @@ the same local tasks: per-request log-likelihoods within 1e-4 (float32) with the
 identical generated text, perplexities within 1e-4 relative. The maximum length is short enough that contexts are cut
 from the left, prompts are cut to leave room for ``max_gen_toks`` and documents span several rolling windows."""
 
+import json
+
 import numpy as np
 import pytest
 from lm_eval_fixtures import TASKS, write_model_folder, write_tasks
+
+from experiments._lm_eval_tasks import FILES
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("torch")
@@ -13,6 +17,7 @@ pytest.importorskip("transformers")
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from eqmoe.data import load_tokenizer  # noqa: E402
 from eqmoe.evaluation.lm_eval_model import EqmoeLM  # noqa: E402
 
 MAX_LENGTH = 24
@@ -22,7 +27,9 @@ MAX_LENGTH = 24
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval")
     folder = write_model_folder(root / "hf")
-    manager = TaskManager(include_path=str(write_tasks(root / "tasks", items=8, documents=3)))
+    tasks = write_tasks(root / "tasks", items=8, documents=3)
+    _check_the_cases_are_there(folder, tasks)
+    manager = TaskManager(include_path=str(tasks))
     common = dict(tasks=list(TASKS), task_manager=manager, log_samples=True, verbosity="ERROR")
     reference = lm_eval.simple_evaluate(
         model="hf",
@@ -33,6 +40,16 @@ def results(tmp_path_factory):
     )
     ours = lm_eval.simple_evaluate(model=EqmoeLM(hf=str(folder), max_length=MAX_LENGTH, batch_size=32), **common)
     return reference, ours
+
+
+def _check_the_cases_are_there(folder, tasks):
+    """Some contexts are cut from the left, some prompts are cut for max_gen_toks, every document spans windows."""
+    tokenizer = load_tokenizer(folder, chat=False)
+    rows = {name: [json.loads(line) for line in (tasks / f"{name}.jsonl").read_text().splitlines()] for name in FILES}
+    longest_mc = max(len(tokenizer.encode(r["question"] + c)) for r in rows["mc"] for c in r["choices"])
+    longest_prompt = max(len(tokenizer.encode(r["prompt"])) for r in rows["gen"])
+    shortest_document = min(len(tokenizer.encode(r["text"])) for r in rows["ppl"])
+    assert longest_mc > MAX_LENGTH + 1 and longest_prompt > MAX_LENGTH - 10 and shortest_document > 2 * MAX_LENGTH
 
 
 def _responses(result, task):
