@@ -4,10 +4,10 @@
 
 Writes a random float32 ``qwen3-moe-tiny`` (about 2M parameters) as a Hugging Face folder with a byte-level BPE
 tokenizer trained on the spot, and local tasks (:mod:`experiments._lm_eval_tasks`: multiple choice, greedy generation,
-rolling perplexity over documents longer than ``--max-length``), then runs each task on both backends (``--model hf``
-on the CPU in float32 and ``--model eqmoe``) at the same batch size. Per task and backend: the first run (eqmoe's
-includes compiling its length buckets) and the median of ``--repeats`` further runs, in requests and input tokens per
-second, and eqmoe's ratio to transformers.
+rolling perplexity over documents longer than ``--context-tokens``), then runs each task on both backends
+(``--model hf`` on the CPU in float32 and ``--model eqmoe``) at the same batch size. Per task and backend: the first
+run (eqmoe's includes compiling its length buckets) and the median of ``--repeats`` further runs, in requests and
+input tokens per second, and eqmoe's ratio to transformers.
 """
 
 import json
@@ -30,13 +30,13 @@ class Args(JsonFileOptions):
     documents: int = 16
     """Perplexity documents."""
     document_words: int = 400
-    """Words per perplexity document (several windows of --max-length tokens each)."""
-    max_length: int = 128
-    """Longest input in tokens (both backends)."""
+    """Words per perplexity document (several windows of --context-tokens tokens each)."""
+    context_tokens: int = 128
+    """Longest input in tokens, lm-eval's max_length (both backends)."""
     max_gen_toks: int = 16
     """Tokens generated per prompt at most."""
-    batch_size: int = 32
-    """Requests per batch (both backends)."""
+    requests_per_batch: int = 32
+    """Requests per batch, lm-eval's batch_size (both backends)."""
     repeats: int = 3
     """Timed runs after the first; the median is reported."""
 
@@ -108,10 +108,10 @@ def main(args: Args) -> dict:
         workload = _workload(tasks, folder)
         backends = {
             "transformers": get_model("hf").create_from_arg_string(
-                f"pretrained={folder},dtype=float32,max_length={args.max_length}",
-                {"batch_size": args.batch_size, "device": "cpu"},
+                f"pretrained={folder},dtype=float32,max_length={args.context_tokens}",
+                {"batch_size": args.requests_per_batch, "device": "cpu"},
             ),
-            "eqmoe": EqmoeLM(hf=str(folder), max_length=args.max_length, batch_size=args.batch_size),
+            "eqmoe": EqmoeLM(hf=str(folder), max_length=args.context_tokens, batch_size=args.requests_per_batch),
         }
         rows = []
         for task in TASKS:
@@ -137,8 +137,8 @@ def main(args: Args) -> dict:
                     }
                 )
     print(
-        f"\nbench_evaluate: {args.items} items, {args.documents} documents, max length {args.max_length}, batch "
-        f"{args.batch_size}; jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+        f"\nbench_evaluate: {args.items} items, {args.documents} documents, max length {args.context_tokens}, batch "
+        f"{args.requests_per_batch}; jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads); median of {args.repeats} runs after the first"
     )
     print(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tyro
 
+from eqmoe.train.loop import OutputOptions
 from eqmoe.train.tracking import TrackerOptions
 from experiments._cli import UsageError, guarded
 from experiments.options import DtypeOption, EvalTaskOptions, MeshOptions, ModelSourceOptions, TokenizerOption
@@ -33,11 +34,12 @@ INSTALL = "pip install 'eqmoe[eval]'"
 
 
 @dataclass(frozen=True)
-class Args(ModelSourceOptions, TokenizerOption, DtypeOption, MeshOptions, EvalTaskOptions, TrackerOptions):
+class Args(
+    ModelSourceOptions, TokenizerOption, DtypeOption, MeshOptions, EvalTaskOptions, TrackerOptions, OutputOptions
+):
     tasks: tuple[str, ...] = ()
     """lm-eval task (or group) names, e.g. hellaswag arc_easy; local ones need --include-path."""
     out_dir: Path = Path("runs/eval")
-    """Where results.json, results.md (and samples.jsonl) are written."""
     log_samples: bool = False
     """Also write every request and response (samples.jsonl)."""
     seed: int = 0

@@ -1,6 +1,7 @@
 """lm-evaluation-harness's evaluator over an eqmoe model: tasks checked (names, data) before any model is read, the
 results as lm-eval writes them, their scores as flat numbers and lm-eval's table."""
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,13 +20,14 @@ def task_manager(tasks: Sequence[str], include_path: str | os.PathLike | None = 
         raise ValueError("--tasks: name at least one lm-eval task")
     if include_path is not None and not Path(include_path).exists():
         raise FileNotFoundError(f"{include_path}: task folder not found (--include-path)")
+    folder = None if include_path is None else str(Path(include_path).absolute())
     manager = None
-    if include_path is not None:  # indexing lm-eval's thousands of task files takes seconds: only when needed
-        manager = TaskManager(include_path=str(include_path), include_defaults=False)
+    if folder is not None:  # indexing lm-eval's thousands of task files takes seconds: only when needed
+        manager = _indexed(folder, defaults=False)
         if _unknown(manager, tasks):
             manager = None
     if manager is None:
-        manager = TaskManager(include_path=None if include_path is None else str(include_path))
+        manager = _indexed(folder, defaults=True)
     unknown = _unknown(manager, tasks)
     if unknown:
         where = f" nor under {include_path}" if include_path is not None else " (local task YAMLs: --include-path DIR)"
@@ -36,6 +38,12 @@ def task_manager(tasks: Sequence[str], include_path: str | os.PathLike | None = 
         except Exception as error:  # datasets raises many kinds for a missing or unreadable data file
             raise ValueError(f"task {name}: cannot load its data: {type(error).__name__}: {error}") from None
     return manager
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(folder: str | None, *, defaults: bool) -> TaskManager:
+    """lm-eval's index of the task files (once per process: a training run checks its tasks, then runs them)."""
+    return TaskManager(include_path=folder, include_defaults=defaults)
 
 
 def _unknown(manager: TaskManager, tasks: Sequence[str]) -> list[str]:
