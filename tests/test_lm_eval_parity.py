@@ -84,3 +84,21 @@ def test_rolling_perplexity_matches_transformers(results):
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         expected = reference["results"]["eqmoe_test_ppl"][metric]
         assert ours["results"]["eqmoe_test_ppl"][metric] == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_chat_template_renders_few_shot_turns_as_transformers_does(tmp_path):
+    from chat_fixtures import TEMPLATES
+    from transformers import AutoTokenizer
+
+    folder = write_model_folder(tmp_path / "hf", template=(TEMPLATES / "qwen3.jinja").read_text())
+    history = [  # what lm-eval builds with --apply_chat_template --fewshot_as_multiturn
+        {"role": "system", "content": "Answer with one word."},
+        {"role": "user", "content": "the weather in Paris is"},
+        {"role": "assistant", "content": "sunny"},
+        {"role": "user", "content": "what plus and"},
+    ]
+    ours = EqmoeLM(hf=str(folder)).apply_chat_template(history)
+    reference = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == reference
