@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tyro
 from lm_eval_fixtures import write_model_folder, write_tasks
 
 pytest.importorskip("lm_eval")
@@ -54,9 +55,11 @@ def _choices(out_dir) -> dict[int, int]:
 def test_a_lora_checkpoint_is_scored_with_its_adapters(folders, tmp_path, capsys):
     base, tasks = folders
     checkpoints = _lora_run(base, tmp_path / "run")
-    common = dict(tasks=(MC,), include_path=tasks, log_samples=True, max_length=32, eval_batch_size=32)
-    assert evaluate.main(evaluate.Args(hf=base, out_dir=tmp_path / "base", **common)) == 0
-    assert evaluate.main(evaluate.Args(checkpoint=checkpoints, out_dir=tmp_path / "lora", **common)) == 0
+    common = ["--tasks", MC, "--include-path", str(tasks), "--limit", "6", "--num-fewshot", "0", "--log-samples"]
+    common += ["--max-length", "32", "--eval-batch-size", "32"]  # as typed on the command line
+    for model, out in ((["--hf", str(base)], "base"), (["--checkpoint", str(checkpoints)], "lora")):
+        args = tyro.cli(evaluate.Args, args=[*model, *common, "--out-dir", str(tmp_path / out)])
+        assert evaluate.main(args) == 0
     table = capsys.readouterr().out
     assert MC in table and "acc" in table
     before, after = _choices(tmp_path / "base"), _choices(tmp_path / "lora")
@@ -64,6 +67,7 @@ def test_a_lora_checkpoint_is_scored_with_its_adapters(folders, tmp_path, capsys
     assert changed, (before, after)  # on these items the base picks one answer and the adapted model another
     results = json.loads((tmp_path / "lora" / "results.json").read_text())
     assert set(results["scores"][MC]) >= {"acc", "acc_norm", "acc_stderr"}
+    assert len(before) == len(after) == 6 and results["lm_eval"]["n-shot"][MC] == 0
     assert (tmp_path / "lora" / "results.md").read_text().count(MC) == 1
     from eqmoe.checkpoints.model_checkpoint import load_model
 
