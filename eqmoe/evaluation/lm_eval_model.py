@@ -68,7 +68,8 @@ class EqmoeLM(TemplateLM):
         max_gen_toks: int = 256,
         source: ModelSource | None = None,
         parallelism: parallel.Parallelism | None = None,
-        **_harness_options,  # device, max_batch_size: lm-eval passes them to every backend
+        device: str | None = None,  # lm-eval passes these two to every backend: the mesh (or JAX's device) decides
+        max_batch_size: int | None = None,
     ):
         super().__init__()
         if source is None:
@@ -172,11 +173,16 @@ class EqmoeLM(TemplateLM):
             until = handle_stop_sequences(options.pop("until", None), eos=eos_text)
             new_tokens = int(options.pop("max_gen_toks"))
             temperature = float(options.get("temperature") or 0.0) if options.get("do_sample") else 0.0
+            top_p = float(options.get("top_p") or 1.0)
+            if new_tokens >= self.max_length:
+                raise ValueError(
+                    f"max_gen_toks={new_tokens} leaves no room for a prompt within max_length={self.max_length}"
+                )
             contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - new_tokens) :] for i in indices}
             order = sorted(indices, key=lambda i: -len(contexts[i]))
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
-                generated = self._generate([contexts[i] for i in chunk], new_tokens, until, temperature)
+                generated = self._generate([contexts[i] for i in chunk], new_tokens, until, temperature, top_p)
                 for i, ids in zip(chunk, generated, strict=True):
                     text = postprocess_generated_text(self._text.decode(ids), until, None)
                     texts[i] = text
@@ -205,7 +211,7 @@ class EqmoeLM(TemplateLM):
                 pad_id=0,
             )
 
-    def _generate(self, contexts: list[list[int]], new_tokens: int, until: list[str], temperature: float):
+    def _generate(self, contexts: list[list[int]], new_tokens: int, until: list[str], temperature: float, top_p: float):
         """Each context's new ids, up to its first stop id (inclusive), at most ``new_tokens``."""
         width = bucket_length(max(len(ids) for ids in contexts))
         prompt = np.zeros((self.batch_size, width), np.int32)  # every batch as wide: one program per length bucket
@@ -222,6 +228,7 @@ class EqmoeLM(TemplateLM):
                 prompt_mask=jnp.asarray(mask),
                 max_new_tokens=new_tokens,
                 temperature=temperature,
+                top_p=top_p,
                 key=jax.random.key(0) if temperature > 0 else None,
                 eos_id=stops or None,
                 vocab_limit=min(self._text.vocab_size, self.model.config.vocab_size),
