@@ -13,6 +13,7 @@ import tyro
 from lm_eval_fixtures import write_model_folder, write_tasks
 
 pytest.importorskip("lm_eval")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 from eqmoe.checkpoints import hf  # noqa: E402
 from eqmoe.checkpoints.model_checkpoint import save_model  # noqa: E402
@@ -58,8 +59,8 @@ def test_a_lora_checkpoint_is_scored_with_its_adapters(folders, tmp_path, capsys
     common = ["--tasks", MC, "--include-path", str(tasks), "--limit", "6", "--num-fewshot", "0", "--log-samples"]
     common += ["--max-length", "32", "--eval-batch-size", "32"]  # as typed on the command line
     for model, out in ((["--hf", str(base)], "base"), (["--checkpoint", str(checkpoints)], "lora")):
-        args = tyro.cli(evaluate.Args, args=[*model, *common, "--out-dir", str(tmp_path / out)])
-        assert evaluate.main(args) == 0
+        argv = [*model, *common, "--out-dir", str(tmp_path / out), "--tracker", "tensorboard"]
+        assert evaluate.main(tyro.cli(evaluate.Args, args=argv)) == 0
     table = capsys.readouterr().out
     assert MC in table and "acc" in table
     before, after = _choices(tmp_path / "base"), _choices(tmp_path / "lora")
@@ -69,6 +70,9 @@ def test_a_lora_checkpoint_is_scored_with_its_adapters(folders, tmp_path, capsys
     assert set(results["scores"][MC]) >= {"acc", "acc_norm", "acc_stderr"}
     assert len(before) == len(after) == 6 and results["lm_eval"]["n-shot"][MC] == 0
     assert (tmp_path / "lora" / "results.md").read_text().count(MC) == 1
+    events = event_accumulator.EventAccumulator(str(tmp_path / "lora" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert events.Scalars(f"lm_eval/{MC}/acc")[0].value == pytest.approx(results["scores"][MC]["acc"])
     from eqmoe.checkpoints.model_checkpoint import load_model
 
     assert has_lora(load_model(checkpoints)[0])
