@@ -39,13 +39,17 @@ def token_logprobs(
     tokens: Int[Array, "batch seq"],
     mask: Bool[Array, "batch seq"],
     targets: Int[Array, "batch seq"],
-) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    last: Int[Array, " batch"],
+) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"], Float[Array, "batch vocab"]]:
     """Per position: log p(``targets``) under the model reading ``tokens`` (padding where ``mask`` is false, never
-    attended to), and whether the target is the argmax. Softmax in float32, as lm-eval's log_softmax."""
+    attended to) and whether the target is the argmax; and each row's whole log-distribution at position ``last``
+    (its last real token: what every request sharing the row's input but not its last token is scored from). Softmax
+    in float32, as lm-eval's log_softmax."""
     logits = model(tokens, token_mask=mask).logits.astype(jnp.float32)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logprob = target_logits - jax.nn.logsumexp(logits, axis=-1)
-    return logprob, jnp.argmax(logits, axis=-1) == targets
+    final = jax.nn.log_softmax(logits[jnp.arange(tokens.shape[0]), last], axis=-1)
+    return logprob, jnp.argmax(logits, axis=-1) == targets, final
 
 
 def score(
@@ -57,24 +61,36 @@ def score(
     pad_id: int = 0,
 ) -> list[Scored]:
     """:class:`Scored` for each ``(tokens, first)`` request, in the order given (see the module docstring).
-    ``tokens`` must already fit: ``len(tokens) - 1 <= max_length``."""
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]))
+    ``tokens`` must already fit: ``len(tokens) - 1 <= max_length``.
+
+    Requests whose inputs are the same (a multiple-choice question with one-token answers) are read once, as
+    lm-eval's transformers backend does: they differ only in the last token, scored from the row's last
+    log-distribution."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (ids, _) in enumerate(requests):
+        groups.setdefault(tuple(ids[:-1]), []).append(index)
+    inputs = sorted(groups, key=lambda key: -len(key))
     results: list[Scored | None] = [None] * len(requests)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        width = bucket_length(max(len(requests[i][0]) - 1 for i in chunk), max_length)
+    for start in range(0, len(inputs), batch_size):
+        chunk = inputs[start : start + batch_size]
+        width = bucket_length(max(len(key) for key in chunk), max_length)
         tokens = np.full((batch_size, width), pad_id, np.int32)
         targets = np.full((batch_size, width), pad_id, np.int32)
         mask = np.zeros((batch_size, width), bool)
         mask[:, 0] = True  # a padding row reads one token, so no row is entirely padding
-        for row, index in enumerate(chunk):
-            ids = np.asarray(requests[index][0], np.int32)
-            tokens[row, : len(ids) - 1] = ids[:-1]
-            targets[row, : len(ids) - 1] = ids[1:]
-            mask[row, : len(ids) - 1] = True
-        logprob, greedy = jax.device_get(token_logprobs(model, tokens, mask, targets))
-        for row, index in enumerate(chunk):
-            ids, first = requests[index]
-            scored = slice(first - 1, len(ids) - 1)
-            results[index] = Scored(float(logprob[row, scored].sum()), bool(greedy[row, scored].all()))
+        last = np.zeros(batch_size, np.int32)
+        for row, key in enumerate(chunk):
+            ids = np.asarray(requests[groups[key][0]][0], np.int32)
+            tokens[row, : len(key)] = key
+            targets[row, : len(key)] = ids[1:]
+            mask[row, : len(key)] = True
+            last[row] = len(key) - 1
+        logprob, greedy, final = jax.device_get(token_logprobs(model, tokens, mask, targets, last))
+        for row, key in enumerate(chunk):
+            best = int(np.argmax(final[row]))
+            for index in groups[key]:
+                ids, first = requests[index]
+                before = slice(first - 1, len(key) - 1)  # every scored position but the last
+                total = float(logprob[row, before].sum() + final[row, ids[-1]])
+                results[index] = Scored(total, bool(greedy[row, before].all()) and best == ids[-1])
     return results  # type: ignore[return-value]
