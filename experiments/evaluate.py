@@ -23,10 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import tyro
 
+from eqmoe.train.logging import write_json_atomic
 from eqmoe.train.loop import OutputOptions
-from eqmoe.train.tracking import TrackerOptions
+from eqmoe.train.tracking import TrackerOptions, start_trackers
 from experiments._cli import UsageError, guarded
 from experiments.options import DtypeOption, EvalTaskOptions, MeshOptions, ModelSourceOptions, TokenizerOption
 
@@ -111,8 +113,6 @@ def run(args: Args) -> dict:
     lm_harness = harness()
     manager = lm_harness.task_manager(args.tasks, args.include_path)  # before the model: a bad task fails fast
     from eqmoe.evaluation.lm_eval_model import EqmoeLM
-    from eqmoe.train.logging import write_json_atomic
-    from eqmoe.train.tracking import start_trackers
 
     parallelism = args.build()
     lm = EqmoeLM(
@@ -141,18 +141,14 @@ def run(args: Args) -> dict:
     samples = results.pop("samples", None)
     scores = lm_harness.scores(results)
     table = lm_harness.results_table(results)
-    import jax
-
     if jax.process_index() == 0:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         record = {"scores": scores, "seconds": seconds, "args": dataclasses.asdict(args), "lm_eval": results}
         write_json_atomic(args.out_dir / "results.json", json.loads(json.dumps(record, default=str)))
-        (args.out_dir / "results.md").write_text(table)
+        _write_atomic(args.out_dir / "results.md", table)
         if samples is not None:
-            with open(args.out_dir / "samples.jsonl", "w") as file:
-                for task, rows in samples.items():
-                    for row in rows:
-                        file.write(json.dumps({"task": task, **row}, default=str) + "\n")
+            lines = [json.dumps({"task": task, **row}, default=str) for task, rows in samples.items() for row in rows]
+            _write_atomic(args.out_dir / "samples.jsonl", "".join(line + "\n" for line in lines))
         config = json.loads(json.dumps(dataclasses.asdict(args), default=str))
         trackers = start_trackers(args.tracker, args.out_dir, config, resumed_at=None, wandb_project=args.wandb_project)
         flat = {f"lm_eval/{task}/{name}": value for task, values in scores.items() for name, value in values.items()}
@@ -160,6 +156,12 @@ def run(args: Args) -> dict:
         trackers.close()
     print(f"evaluate: {len(scores)} task(s) in {seconds:.1f}s -> {args.out_dir}", file=sys.stderr)
     return {"scores": scores, "table": table}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    staging.replace(path)  # a reader never sees half a file
 
 
 def main(args: Args) -> int:

@@ -135,3 +135,14 @@ def test_a_bad_eval_task_stops_sft_before_it_trains(folders, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no_such_task" in err
     assert not (out / "checkpoints").exists()
+
+
+def test_without_lm_eval_the_command_names_the_install(folders, monkeypatch, capsys):
+    import sys
+
+    base, tasks = folders
+    for name in [name for name in sys.modules if name == "lm_eval" or name.startswith("eqmoe.evaluation")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an environment without the eval extra imports
+    err = _one_line_exit_2(capsys, evaluate.Args(hf=base, tasks=(MC,), include_path=tasks))
+    assert "pip install 'eqmoe[eval]'" in err

@@ -1,11 +1,14 @@
 """lm-evaluation-harness's evaluator over an eqmoe model: tasks checked (names, data) before any model is read, the
 results as lm-eval writes them, their scores as flat numbers and lm-eval's table."""
 
+import contextlib
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import datasets
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
@@ -32,12 +35,28 @@ def task_manager(tasks: Sequence[str], include_path: str | os.PathLike | None = 
     if unknown:
         where = f" nor under {include_path}" if include_path is not None else " (local task YAMLs: --include-path DIR)"
         raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}: not an lm-eval task{where}")
-    for name in tasks:
-        try:
-            manager.load([name])
-        except Exception as error:  # datasets raises many kinds for a missing or unreadable data file
-            raise ValueError(f"task {name}: cannot load its data: {type(error).__name__}: {error}") from None
+    with _quiet_datasets():  # a refusal is one line, not one after the datasets library's progress bars
+        for name in tasks:
+            try:
+                manager.load([name])
+            except Exception as error:  # datasets raises many kinds for a missing or unreadable data file
+                raise ValueError(f"task {name}: cannot load its data: {type(error).__name__}: {error}") from None
     return manager
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars and no lm-eval warnings (a metric without its aggregation named) while tasks load."""
+    shown, logger = datasets.is_progress_bar_enabled(), logging.getLogger("lm_eval")
+    level = logger.level
+    datasets.disable_progress_bars()
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if shown:
+            datasets.enable_progress_bars()
 
 
 @functools.lru_cache(maxsize=8)
