@@ -100,14 +100,14 @@ def evaluate(
 
 
 def scores(results: dict) -> dict[str, dict[str, float]]:
-    """Every task's numeric metrics, ``{task: {"acc": ..., "acc_stderr": ...}}`` (lm-eval's ``,none`` filter suffix
-    dropped; other filters keep theirs)."""
+    """Every task's metrics, ``{task: {"acc": ..., "acc_stderr": ...}}`` (lm-eval's ``,none`` filter suffix dropped;
+    other filters keep theirs)."""
     table = {}
     for task, metrics in results["results"].items():
         values = {}
         for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
+            if key == "sample_len" or isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # the document count is not a score
             values[key.removesuffix(",none")] = float(value)
         table[task] = values
     return table
