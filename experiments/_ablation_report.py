@@ -125,6 +125,13 @@ def results_table(results: dict) -> str:
         for name, row in rows.items():
             by_domain = row.get("stats", {}).get("domain_loss", {})
             lines.append(f"| {name} | {' | '.join(_estimate(by_domain.get(d)) for d in domains)} |")
+    scores = list(dict.fromkeys(k for row in rows.values() for k in row.get("stats", {}).get("lm_eval", {})))
+    if scores:  # --eval-tasks: each lm-eval score over seeds, with the same intervals
+        lines += ["", "## lm-eval scores of the final models", "", f"| variant | {' | '.join(scores)} |"]
+        lines.append("|---" * (len(scores) + 1) + "|")
+        for name, row in rows.items():
+            by_score = row.get("stats", {}).get("lm_eval", {})
+            lines.append(f"| {name} | {' | '.join(_estimate(by_score.get(k), 4) for k in scores)} |")
     lines += _compute_table(results)
     lines += ["", "## Reproduce a run", ""]
     for name, row in rows.items():

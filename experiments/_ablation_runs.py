@@ -128,6 +128,7 @@ def run_record(variant: pretrain.Args, summary: dict, extras: dict) -> dict:
         "wall_seconds": extras.get("wall_seconds"),
         "eval_curve": [[r["step"] * tokens_per_step, r["eval_loss"]] for r in records if "eval_loss" in r],
         "layers": summary.get("layers"),
+        "lm_eval": summary.get("lm_eval"),  # --eval-tasks: {task: {metric: value}}
     }
 
 

@@ -63,7 +63,7 @@ from experiments._ablation_runs import (  # noqa: F401 (command: importable from
 )
 from experiments._ablation_variants import BASE_OVERRIDES, matched_widths, read_variants_file
 from experiments._cli import UsageError, guarded
-from experiments.options import MeshOptions, ShapeOptions, StartOptions, TokenizerOption, import_modules
+from experiments.options import EvalOptions, MeshOptions, ShapeOptions, StartOptions, TokenizerOption, import_modules
 
 _GROUPS = {"moe.router.num_groups": 8}
 
@@ -105,7 +105,16 @@ VARIANTS: dict[str, dict[str, object]] = {
 
 
 @dataclass(frozen=True)
-class Args(AblationOptions, StartOptions, ShapeOptions, TokenizerOption, MeshOptions, TrackerOptions, OutputOptions):
+class Args(
+    AblationOptions,
+    StartOptions,
+    ShapeOptions,
+    TokenizerOption,
+    MeshOptions,
+    TrackerOptions,
+    OutputOptions,
+    EvalOptions,
+):
     """Every variant starts from the same model (``--preset`` or ``--init-from-*``, with ``--override``) and trains
     on the same data; the variants differ only in their own overrides."""
 
@@ -189,6 +198,7 @@ def pretrain_args(
             wandb_project=args.wandb_project,
         ),
         parallel=MeshOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MeshOptions)}),
+        eval=EvalOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions)}),
     )
 
 

@@ -233,3 +233,36 @@ class JsonOptions:
 class JsonFileOptions:
     json_out: Path | None = None
     """Also write the results to this JSON file."""
+
+
+@dataclass(frozen=True)
+class EvalTaskOptions:
+    """How lm-evaluation-harness runs its tasks (``experiments.evaluate``, the training commands' ``--eval-tasks``)."""
+
+    include_path: Path | None = None
+    """A folder of lm-eval task YAMLs to add to lm-eval's own (local tasks and data)."""
+    limit: float | None = None
+    """Documents per task (a fraction below 1: that share of each task); default: all."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt (default: each task's own)."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (few-shot examples as turns)."""
+    eval_batch_size: int = 16
+    """Requests per batch (each length bucket is compiled once for this many rows)."""
+    max_length: int | None = None
+    """Longest input in tokens: longer contexts are cut from the left, perplexity uses windows of this length
+    (default: config.json's max_position_embeddings, else 2048)."""
+
+
+@dataclass(frozen=True)
+class EvalOptions(EvalTaskOptions):
+    """lm-eval tasks a training run is scored on when it ends (its summary.json's ``lm_eval``)."""
+
+    # scoring the final model changes nothing about training
+    changeable_on_resume: ClassVar[frozenset[str]] = frozenset(
+        {"eval_tasks", "include_path", "limit", "num_fewshot", "apply_chat_template", "eval_batch_size", "max_length"}
+    )
+
+    eval_tasks: tuple[str, ...] = ()
+    """lm-eval tasks to score the final model on (needs pip install 'eqmoe[eval]'); local task YAMLs with
+    --include-path DIR."""

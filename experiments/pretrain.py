@@ -37,7 +37,7 @@ from eqmoe import Transformer, presets
 from eqmoe.analysis.evaluate import plot_domain_routing, routing_metrics
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.checkpoints.run_metadata import RunMetadata
-from eqmoe.checkpoints.source import folder_tokenizer
+from eqmoe.checkpoints.source import ModelSource, folder_tokenizer
 from eqmoe.config import ModelConfig
 from eqmoe.config_io import apply_overrides, architecture_differences, config_to_dict, format_override, parse_override
 from eqmoe.data import ByteTokenizer, PackedDataset, load_tokenizer
@@ -55,8 +55,10 @@ from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig
 from experiments._cli import UsageError, check_vocabulary, guarded, replay_stored_arguments
+from experiments.evaluate import check_eval_tasks, evaluate_model, print_lm_eval
 from experiments.options import (
     DispatchOption,
+    EvalOptions,
     MeshOptions,
     ShapeOptions,
     StartOptions,
@@ -98,6 +100,7 @@ class Args:
     optim: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, warmup_steps=50, decay_steps=600, weight_decay=0.01)
     run: RunOptions = RunOptions()
     parallel: MeshOptions = MeshOptions()
+    eval: EvalOptions = EvalOptions()
 
 
 def _loaded_from(options: ModelOptions) -> str | None:
@@ -249,6 +252,7 @@ def run(args: Args) -> dict:
     parallelism = args.parallel.build()  # first: claiming the folder asks which process this is
     options.claim_out_dir()
     import_modules(args.model.import_modules)
+    check_eval_tasks(args.eval, args.eval.eval_tasks)  # a bad task name fails before training, not after
     try:
         config = model_config(args.model)
     except ValueError as error:
@@ -265,24 +269,25 @@ def run(args: Args) -> dict:
         file=sys.stderr,
     )
 
-    def evaluate_model(model):
+    def held_out_metrics(model):
         rows, labels = held_out.packed.rows, held_out.packed.labels
         return routing_metrics(model, rows, labels, len(train.domains), args.data.batch_size)
 
     model = starting_model(args.model, config, options.seed)
+    # what generate, convert and analyze_routing decode the run's text with
+    metadata = RunMetadata(
+        config,
+        tokenizer=None if isinstance(tokenizer, ByteTokenizer) else str(Path(tokenizer.path).absolute()),
+        bytes_tokenizer=isinstance(tokenizer, ByteTokenizer),
+    )
     result = loop.train(
         model,
         args.optim,
         options,
         dataset=dataset,
         batch_size=args.data.batch_size,
-        evaluate=evaluate_model,
-        # what generate, convert and analyze_routing decode the run's text with
-        metadata=RunMetadata(
-            config,
-            tokenizer=None if isinstance(tokenizer, ByteTokenizer) else str(Path(tokenizer.path).absolute()),
-            bytes_tokenizer=isinstance(tokenizer, ByteTokenizer),
-        ),
+        evaluate=held_out_metrics,
+        metadata=metadata,
         parallelism=parallelism,
         arguments=dataclasses.asdict(args),
     )
@@ -307,6 +312,9 @@ def run(args: Args) -> dict:
         "config": config_to_dict(config),
         "args": dataclasses.asdict(args),
     }
+    if args.eval.eval_tasks:  # the final model with the tokenizer the run recorded
+        source = ModelSource(result.state.model, out_dir / "checkpoints", metadata)
+        summary["lm_eval"] = evaluate_model(args.eval, args.eval.eval_tasks, source, parallelism)
     if jax.process_index() == 0:
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
@@ -323,6 +331,7 @@ def main(args: Args) -> int:
             f"  domain NMI {summary['eval_domain_nmi']:.3f}"
         )
     print(f"{line}  ({summary['tokens_per_second'] or 0:,.0f} tok/s)")
+    print_lm_eval(summary.get("lm_eval"))
     return 0
 
 

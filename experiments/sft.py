@@ -60,8 +60,10 @@ from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
 from eqmoe.train.optimizer import OptimizerConfig, parameter_counts
 from experiments._cli import UsageError, check_vocabulary, guarded, replay_stored_arguments
+from experiments.evaluate import check_eval_tasks, evaluate_model, print_lm_eval
 from experiments.options import (
     DispatchOption,
+    EvalOptions,
     LoRAOptions,
     MeshOptions,
     ShapeOptions,
@@ -133,6 +135,7 @@ class Args:
     )
     run: RunOptions = RunOptions()
     parallel: MeshOptions = MeshOptions()
+    eval: EvalOptions = EvalOptions()
 
 
 class StartingModel(NamedTuple):
@@ -341,6 +344,7 @@ def run(args: Args) -> dict:
     parallelism = args.parallel.build()  # first: claiming the folder asks which process this is
     run_options.claim_out_dir()
     import_modules(args.model.import_modules)
+    check_eval_tasks(args.eval, args.eval.eval_tasks)  # a bad task name fails before training, not after
     starting = _model_and_config(args.model, run_options.seed, parallelism)
     tokenizer, tokenizer_origin = _tokenizer(args.data, starting)
     model, config, base = _with_adapters(starting.model, args.model, run_options.seed), starting.config, starting.base
@@ -378,6 +382,15 @@ def run(args: Args) -> dict:
 
     tokenizer_path = None if isinstance(tokenizer, ByteTokenizer) else str(Path(tokenizer.path).absolute())
     optim = _optimizer(args, starting)
+    metadata = RunMetadata(
+        config,
+        tokenizer=tokenizer_path,
+        bytes_tokenizer=tokenizer_path is None,
+        chat_template=_recorded_template(args.data, starting),
+        template_vars=tokenizer.chat_template.variables,
+        lora=None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
+        base=base,
+    )
     result = loop.train(
         model,
         optim,
@@ -385,15 +398,7 @@ def run(args: Args) -> dict:
         dataset=dataset,
         batch_size=args.data.batch_size,
         evaluate=lambda model: chat_metrics(model, eval_rows, args.data.batch_size),
-        metadata=RunMetadata(
-            config,
-            tokenizer=tokenizer_path,
-            bytes_tokenizer=tokenizer_path is None,
-            chat_template=_recorded_template(args.data, starting),
-            template_vars=tokenizer.chat_template.variables,
-            lora=None if args.model.lora() is None else dataclasses.asdict(args.model.lora()),
-            base=base,
-        ),
+        metadata=metadata,
         parallelism=parallelism,
         arguments=dataclasses.asdict(args),
     )
@@ -420,6 +425,9 @@ def run(args: Args) -> dict:
         "config": config_to_dict(config),
         "args": dataclasses.asdict(args),
     }
+    if args.eval.eval_tasks:  # the final model with the tokenizer (and template) the run recorded
+        source = ModelSource(model, out_dir / "checkpoints", metadata)
+        summary["lm_eval"] = evaluate_model(args.eval, args.eval.eval_tasks, source, parallelism)
     if jax.process_index() == 0:
         write_json_atomic(out_dir / "summary.json", summary)
     return summary
@@ -440,6 +448,7 @@ def main(args: Args) -> int:
     by_task = summary["eval_accuracy_by_task"]
     if by_task:
         print("  held-out exact match by task: " + "  ".join(f"{task} {value:.3f}" for task, value in by_task.items()))
+    print_lm_eval(summary.get("lm_eval"))
     return 0
 
 

@@ -334,3 +334,17 @@ def test_hf_folder_loads_straight_onto_the_mesh_one_slice_at_a_time(tmp_path):
     for got, want in zip(leaves, jax.tree.leaves(eqx.filter(exact, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(ml_dtypes.bfloat16))
     # (a sharded model computes what one device does: the one-step cases above)
+
+
+def test_lm_eval_log_likelihoods_on_a_mesh_equal_one_device():
+    from eqmoe.evaluation.scoring import score
+
+    model = Transformer(presets.get("qwen3-moe-tiny").replace(vocab_size=64, init_std=0.2), key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    requests = [(rng.integers(0, 64, int(n)).tolist(), int(n) - 3) for n in rng.integers(5, 40, 12)]
+    expected = score(model, requests, batch_size=8)
+    p = parallel.make_parallelism("data=2,expert=4")  # batch rows split, experts dispatched across devices
+    with parallel.activate(p):
+        got = score(parallel.shard(model, p), requests, batch_size=8)
+    np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in expected], rtol=1e-5, atol=1e-4)
+    assert [s.greedy for s in got] == [s.greedy for s in expected]

@@ -512,3 +512,26 @@ def test_runs_finished_under_a_base_override_are_taken_again(tmp_path):
     (folder / "summary.json").write_text(json.dumps({"overrides": ablate.BASE_OVERRIDES}))
     with pytest.raises(ablate.UsageError, match="finished in .* with other overrides"):
         ablate.check_variants(args, ablate.VARIANTS, ["baseline"])
+
+
+def test_eval_task_scores_are_passed_to_each_run_and_get_intervals_over_seeds(tmp_path):
+    args = ablate.Args(out_dir=tmp_path, eval_tasks=("arc_easy",), limit=50.0, include_path=tmp_path)
+    variant = ablate.pretrain_args(args, "switch-top1", seed=1)
+    assert (
+        variant.eval.eval_tasks == ("arc_easy",) and variant.eval.limit == 50 and variant.eval.include_path == tmp_path
+    )
+    assert "--eval-tasks arc_easy" in ablate.command(variant)
+
+    def run(seed, acc):
+        return _made_up_run(seed, 1.5, lm_eval={"arc_easy": {"acc": acc, "acc_stderr": 0.05}})
+
+    results = _made_up_results({"baseline": {0: run(0, 0.50), 1: run(1, 0.54)}, "switch-top1": {0: run(0, 0.40)}})
+    baseline = results["variants"]["baseline"]
+    assert baseline["lm_eval"] == {"arc_easy/acc": pytest.approx(0.52)}  # the per-run stderr is not averaged
+    assert baseline["stats"]["lm_eval"]["arc_easy/acc"]["n"] == 2
+    half = (
+        baseline["stats"]["lm_eval"]["arc_easy/acc"]["high"] - baseline["stats"]["lm_eval"]["arc_easy/acc"]["low"]
+    ) / 2
+    table = ablate.results_table(results)
+    assert "## lm-eval scores of the final models" in table
+    assert f"| baseline | 0.5200 ± {half:.4f} |" in table and "| switch-top1 | 0.4000 |" in table

@@ -26,8 +26,9 @@ GROUPS = [
     if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == options.__name__
 ] + [OutputOptions, TrackerOptions]
 SHARED = {"--" + f.name.replace("_", "-") for group in GROUPS for f in dataclasses.fields(group)} | {"--import"}
-# bench_model's shape flags override each of its benchmark rows' own shapes (None: the row's)
-OVERRIDES_OF_ITS_ROWS = {("bench_model", "--batch-size"), ("bench_model", "--seq-len")}
+# bench_model's shape flags override each of its benchmark rows' own shapes (None: the row's); inspect_data's --limit
+# (conversations to print) predates lm-eval's --limit (documents per task), which evaluate keeps under lm-eval's name
+OVERRIDES_OF_ITS_ROWS = {("bench_model", "--batch-size"), ("bench_model", "--seq-len"), ("inspect_data", "--limit")}
 
 
 def _options(command: str) -> dict[str, tuple[str, str | None]]:

@@ -195,19 +195,33 @@ def curve_intervals(runs: Sequence[Mapping], level: float = LEVEL) -> tuple[list
 
 def summarize_runs(runs: Sequence[Mapping], level: float = LEVEL) -> dict:
     """One variant's runs (one per seed) together: the mean of every figure, the mean per-domain loss
-    (``domain_loss``), t-intervals of :data:`INTERVAL_FIGURES` and of each domain's loss (``stats``), the mean
+    (``domain_loss``) and of every lm-eval score (``lm_eval``, ``"task/metric"``: ``--eval-tasks``), t-intervals of
+    :data:`INTERVAL_FIGURES`, of each domain's loss and of each lm-eval score (``stats``), the mean
     eval-loss curve and the mean of every per-layer figure (``layers``; ``None`` unless every run has them)."""
     domain_losses = [run.get("domain_loss") or {} for run in runs]
     domains = list(dict.fromkeys(domain for losses in domain_losses for domain in losses))
     by_domain = {domain: [losses.get(domain) for losses in domain_losses] for domain in domains}
     tokens, intervals = curve_intervals(runs, level)
     layers = [run.get("layers") for run in runs]
+    # lm-eval scores (--eval-tasks) as "task/metric", their standard errors left out: the interval is over seeds
+    scores = [
+        {
+            f"{task}/{name}": value
+            for task, values in (run.get("lm_eval") or {}).items()
+            for name, value in values.items()
+        }
+        for run in runs
+    ]
+    score_names = [name for name in dict.fromkeys(k for s in scores for k in s) if not name.endswith("_stderr")]
+    by_score = {name: [s.get(name) for s in scores] for name in score_names}
     return {
         **{key: mean_of(run.get(key) for run in runs) for key in INTERVAL_FIGURES + MEAN_FIGURES},
         "domain_loss": {domain: mean_of(values) for domain, values in by_domain.items()},
+        "lm_eval": {name: mean_of(values) for name, values in by_score.items()},
         "stats": {
             **{key: interval_of((run.get(key) for run in runs), level) for key in INTERVAL_FIGURES},
             "domain_loss": {domain: interval_of(values, level) for domain, values in by_domain.items()},
+            "lm_eval": {name: interval_of(values, level) for name, values in by_score.items()},
         },
         "eval_curve": [[count, interval.mean] for count, interval in zip(tokens, intervals, strict=True)],
         "layers": None
