@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from eqmoe.train.tracking import TrackerOptions
-from experiments.options import MeshOptions
+from experiments.options import EvalOptions, MeshOptions
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ def settings(args: AblationOptions) -> dict:
     fields = dataclasses.asdict(args)
     views = {f.name for f in dataclasses.fields(MeshOptions) + dataclasses.fields(TrackerOptions)}
     views |= {"variants", "out_dir", "variants_file", "import_modules", "seeds", "dry_run"}
+    if not fields.get("eval_tasks"):  # no lm-eval task: its options change nothing the runs write
+        views |= {f.name for f in dataclasses.fields(EvalOptions)}
     kept = {
         name: value
         for name, value in fields.items()
