@@ -18,7 +18,7 @@ from eqmoe.nn import dispatch
 from eqmoe.registries import ATTENTION_BACKENDS, DISPATCH_BACKENDS
 from experiments import pretrain
 
-SLEEP = 0.05
+SLEEP = 0.25  # far above a step of the micro model, also on a loaded machine (0.05 lost once in CI-like load)
 
 
 def _slow_sorted(x, routing, experts, config):
