@@ -47,6 +47,9 @@ class Args:
     """The chip's peak (default: its specified bf16 peak, eqmoe.flops.SPECIFIED_PEAKS)."""
     json_out: Path | None = None
     """Also write the results to this JSON file."""
+    profile: int = 0
+    """Also trace this many steps of each row (XLA's own trace) and print where the step's time goes, by operation
+    kind, pass and source line (as ``experiments.profile_step``)."""
 
 
 def _configs():
@@ -134,7 +137,7 @@ def _timed(function, *arguments, repeats: int = 5) -> float:
     return time_calls(function, arguments, best=None, repeats=repeats)
 
 
-def _train_row(config, batch: int, steps: int) -> dict:
+def _train_row(config, batch: int, steps: int, traced_steps: int = 0, peak: float = 0.0) -> dict:
     """The row's train step: backends and remat chosen as a run chooses them, then timed."""
     import equinox as eqx
     import jax
@@ -183,6 +186,8 @@ def _train_row(config, batch: int, steps: int) -> dict:
             times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
     model_flops = flops.model_flops_per_token(config, SEQ) * batch * SEQ
+    if traced_steps:
+        state = _print_profile(step, data, state, traced_steps, seconds, model_flops, peak)
     return {
         "backends": dict(resolved.choices),
         "remat": state.model.config.remat,
@@ -193,6 +198,27 @@ def _train_row(config, batch: int, steps: int) -> dict:
         "compile_s": compile_seconds,
         "config": config,
     }
+
+
+def _print_profile(step, data, state, calls: int, seconds: float, model_flops: float, peak: float):
+    """Where the compiled step's time goes, from XLA's trace of ``calls`` steps; the state after them."""
+    from eqmoe.analysis.xla_profile import profile
+    from experiments.profile_step import report, summarise
+
+    holder = [state]
+
+    def call():
+        holder[0], terms = step(data, holder[0])
+        return terms
+
+    try:
+        compiled = step if hasattr(step, "compiled") else step.lower(data, state).compile()
+        traced = profile(call, compiled.compiled.as_text(), calls, seconds)
+        entry = summarise(traced, model_flops / 1e9, peak * 1e3, ops=12)
+        print(report({"shape": "train step", "pass": "", **entry}, top=16), file=sys.stderr, flush=True)
+    except Exception as error:  # the trace is a diagnosis: a failure to read it leaves the row's figures
+        print(f"  profile failed: {type(error).__name__}: {str(error)[:300]}", file=sys.stderr)
+    return holder[0]
 
 
 def _attention_ceiling(config, batch: int) -> dict | None:
@@ -328,7 +354,7 @@ def main(args: Args) -> None:
         config = configs[name]
         print(f"== {name}", file=sys.stderr)
         try:
-            row = _train_row(config, args.batch_size, args.steps)
+            row = _train_row(config, args.batch_size, args.steps, args.profile, peak)
             row["mfu"] = row["model_tflops"] / peak
             used = row.pop("config")
             row["attention"] = _attention_ceiling(used, args.batch_size)

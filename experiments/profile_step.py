@@ -135,9 +135,16 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
     ids = np.random.default_rng(seed).integers(0, shape.vocab, (shape.batch, shape.seq))
     call, hlo = _compiled(model, eqmoe_batch(ids), pass_name, seed)
     seconds = _median_seconds(call, repeats)
-    traced: Profile = profile(call, hlo, repeats, seconds)
     model_gflop = shape.batch * shape.seq * flops.forward_flops_per_token(model.config, shape.seq) / 1e9
     model_gflop *= 1 if pass_name == "forward" else 3
+    entry = summarise(profile(call, hlo, repeats, seconds), model_gflop, peak_gflops, ops)
+    return {"shape": name, "pass": pass_name, **entry}
+
+
+def summarise(traced: Profile, model_gflop: float, peak_gflops: float, ops: int) -> dict:
+    """A traced program's wall time, fraction of peak, traced time by kind, pass and origin, and its ``ops`` largest
+    operations other than matmuls (what :func:`report` prints)."""
+    seconds = traced.wall_seconds
     matmul = traced.by_kind.get("matmul")
     matmul_seconds = matmul.seconds if matmul else float("nan")
 
@@ -153,8 +160,6 @@ def row_profile(name: str, pass_name: str, model, repeats: int, seed: int, peak_
         for op, line in sorted(others, key=lambda item: -item[1].seconds)[:ops]
     ]  # fmt: skip
     return {
-        "shape": name,
-        "pass": pass_name,
         "ms": seconds * 1e3,
         "model_gflop": model_gflop,
         "of_peak": model_gflop / seconds / peak_gflops,

@@ -4,7 +4,8 @@
 # on one v5e chip once the wheels are there.
 #
 #     bash experiments/tpu_check.sh                   # every part
-#     bash experiments/tpu_check.sh tests bench       # some parts: install tests bench quickstart fit plan
+#     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
+#     TPU_CHECK_PART_SECONDS=240 bash experiments/tpu_check.sh tests   # each part stopped after 240 s (its log kept)
 #
 # A machine without internet installs from wheels in .whl/ (and its own package index where pip is pointed at one:
 # PIP_INDEX_URL; TPU_CHECK_TORCH=0 leaves out torch, which only the parity tests' reference needs); the machine's JAX
@@ -19,68 +20,90 @@ out=${OUT:-$(mktemp -d -t tpu_check.XXXXXX)}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 parts=${*:-install tests bench quickstart fit plan}
+for part in $parts; do
+    case $part in install | tests | bench | quickstart | fit | plan) ;;
+    *) echo "tpu_check: unknown part '$part'; allowed: install tests bench quickstart fit plan" >&2 && exit 2 ;;
+    esac
+done
 declare -a table=()
-wants() { [[ " $parts " == *" $1 "* ]]; }
 row() { table+=("| $1 | $2 | $3 |"); }
-timed() { # name, command...: run it, log it, remember its status and seconds
+limit=()
+[ -n "${TPU_CHECK_PART_SECONDS:-}" ] && limit=(timeout --signal=TERM --kill-after=10 "$TPU_CHECK_PART_SECONDS")
+timed() { # name, command...: run it (under the part's time limit), log it, remember its status and seconds
     local name=$1 started=$SECONDS status
     shift
-    "$@" >"$out/$name.log" 2>&1
+    "${limit[@]}" "$@" >"$out/$name.log" 2>&1
     status=$?
+    [ $status = 124 ] && printf '\n(stopped at TPU_CHECK_PART_SECONDS=%s)\n' "$TPU_CHECK_PART_SECONDS" >>"$out/$name.log"
     echo "$name: exit $status in $((SECONDS - started)) s (log: $out/$name.log)" >&2
     return $status
 }
 
-if wants install; then
+install_part() {
     # every dependency but JAX itself (the machine's TPU build stays), from the wheels here or the package index
     deps=$("$python" - <<'EOF'
 import re
 import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-skip = {"jax", "torch", "wandb", "nbclient", "nbformat", "ipykernel", "datasets", "tensorboard", "ruff", "peft"}
+skip = {"jax", "torch", "wandb", "nbclient", "nbformat", "ipykernel", "datasets", "tensorboard", "ruff", "peft", "lm-eval"}
 wanted = project["dependencies"] + project["optional-dependencies"]["test"]
-print(" ".join(d.replace(" ", "") for d in wanted if re.split("[<>=!~;]", d)[0].strip() not in skip))
+name = lambda d: re.split("[<>=!~;\\[]", d)[0].strip()  # noqa: E731
+print(" ".join(d.replace(" ", "") for d in wanted if name(d) not in skip and name(d) != project["name"]))
 EOF
 )
     links=(--find-links .whl)
     [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
     [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
+    install() { "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "${EQMOE_SITE:-/tmp/eqmoe-site}" "${links[@]}" "$@"; }
     # shellcheck disable=SC2086  # $deps is a list of requirements
-    timed install "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "${EQMOE_SITE:-/tmp/eqmoe-site}" "${links[@]}" $deps
-    row install "exit $?" "$(tail -1 "$out/install.log")"
-fi
+    if timed install install $deps; then
+        row install "exit 0" "$(echo $deps | wc -w) requirements"
+    else  # one missing package stops pip's whole resolution: each on its own, naming the ones that cannot be had
+        missing=()
+        for dep in $deps; do install "$dep" >>"$out/install.log" 2>&1 || missing+=("$dep"); done
+        row install "exit ${#missing[@]}" "not installed: ${missing[*]:-none}"
+    fi
+}
+
 site=${EQMOE_SITE:-/tmp/eqmoe-site}
-[ -d "$site" ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site  # after the machine's own JAX
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
+on_path() { # the installed folder after the machine's own JAX, then the project
+    [ -d "$site" ] && [[ ":${PYTHONPATH:-}:" != *":$site:"* ]] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
+    [[ ":${PYTHONPATH:-}:" != *":$PWD:"* ]] && export PYTHONPATH=${PYTHONPATH:-}:$PWD
+    return 0
+}
 
-backend=$("$python" -c 'import jax; d = jax.devices()[0]; print(jax.default_backend(), "|", d.device_kind)')
-echo "tpu_check: $backend" >&2
-
-if wants tests; then  # the kernels on the chip, then the parity tests with the chip's kernels chosen by auto's rule
+tests_part() { # the kernels on the chip, then the parity tests with the chip's kernels chosen by auto's rule
+    # -v: each test's verdict as it ends, so a log cut by the time limit still names what failed
     # shellcheck disable=SC2086  # TPU_CHECK_TESTS: a list of test files
-    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -q --tb=short -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
+    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -v --tb=short -rfE -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
         tests/test_attention.py tests/test_stack_and_dispatch.py tests/test_qwen3_parity.py tests/test_mixtral.py \
         tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py}
-    row "kernel and parity tests" "exit $?" "$(tail -1 "$out/tests.log")"
-fi
+    local status=$?
+    local counts
+    counts=$(grep -cE " PASSED( |$)" "$out/tests.log")" passed, "$(grep -cE " FAILED( |$)" "$out/tests.log")" failed, "
+    counts+=$(grep -cE " SKIPPED( |$)" "$out/tests.log")" skipped"
+    row "kernel and parity tests" "exit $status" "$counts; $(tail -1 "$out/tests.log" | cut -c1-200)"
+}
 
-if wants bench; then
+bench_part() {
     # shellcheck disable=SC2086  # extra flags, e.g. --rows mixtral qwen3
     timed bench "$python" -m experiments.bench_tpu --json-out "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:-}
     row "bench_tpu" "exit $?" "see below"
-fi
+}
 
-if wants quickstart; then
-    started=$SECONDS
+quickstart_part() {
+    local started=$SECONDS status accuracy
     timed quickstart "$python" -m experiments.sft --out-dir "$out/sft" --overwrite
     status=$?
     accuracy=$("$python" -c "import json; print(json.load(open('$out/sft/summary.json'))['eval_accuracy'])" 2>/dev/null)
+    rm -rf "$out/sft/checkpoints"  # the device tool brings back files two folders down at most; they are not the result
     row "quickstart (sft)" "exit $status" "$((SECONDS - started)) s, held-out exact match ${accuracy:-?}"
-fi
+}
 
-if wants fit; then  # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 1024: 36 GiB without remat
-    fit=(--dtype bfloat16 --steps 4 --log-every 2 --eval-every 1000 --seq-len 2048 --batch-size 16
+fit_part() { # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 1024: 36 GiB without remat
+    local status written
+    local fit=(--dtype bfloat16 --steps 4 --log-every 2 --eval-every 1000 --seq-len 2048 --batch-size 16
         --override embed_dim=1024 'layers=["moe","moe","moe","moe","moe","moe","moe","moe"]' moe.router.num_experts=64
         moe.router.top_k=8 moe.expert_dim=256 attention.num_heads=16 attention.num_kv_heads=4 attention.head_dim=64)
     timed fit_refused "$python" -m experiments.pretrain "${fit[@]}" --out-dir "$out/fit_refused"
@@ -89,9 +112,11 @@ if wants fit; then  # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 
     row "step that does not fit" "exit $status" "$(tail -1 "$out/fit_refused.log" | cut -c1-300); $written"
     timed fit_auto "$python" -m experiments.pretrain "${fit[@]}" --remat auto --out-dir "$out/fit_auto"
     row "same step, --remat auto" "exit $?" "$(grep -h 'auto remat' "$out/fit_auto.log" | cut -c1-200); $(grep -h 'MFU' "$out/fit_auto.log" | tail -1)"
-fi
+    rm -rf "$out/fit_auto/checkpoints"
+}
 
-if wants plan; then  # the analytic memory against the chip's compiled memory, single device
+plan_part() { # the analytic memory against the chip's compiled memory, single device
+    local preset
     for preset in qwen3-moe-tiny envy-test deepseek-v3-micro; do
         timed "plan_$preset" "$python" -m experiments.plan --preset "$preset" --batch-size 16 --seq-len 1024 \
             --dtype bfloat16 --remats none block --json
@@ -107,7 +132,15 @@ print("; ".join(
 EOF
 )"
     done
-fi
+}
+
+on_path
+backend=$("$python" -c 'import jax; d = jax.devices()[0]; print(jax.default_backend(), "|", d.device_kind)' 2>/dev/null)
+echo "tpu_check: ${backend:-JAX not importable yet}" >&2
+for part in $parts; do
+    "${part}_part"
+    on_path  # after install, the installed folder
+done
 
 {
     echo "## tpu_check on $backend"
@@ -115,10 +148,10 @@ fi
     echo "| part | status | result |"
     echo "|---|---|---|"
     printf '%s\n' "${table[@]}"
-    if [ -f "$out/bench_tpu.log" ]; then
+    if [ -f "$out/bench.log" ]; then
         echo
         echo '```'
-        grep -v "^auto \|^==\|^  gmm tiles" "$out/bench_tpu.log"
+        grep -v "^auto \|^==\|^  gmm tiles\|hugepages\|warnings.warn" "$out/bench.log"
         echo '```'
     fi
 } | tee "$out/tpu_check.md"

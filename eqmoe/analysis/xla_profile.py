@@ -314,9 +314,10 @@ def own_times(events: list[dict], names: set[str]) -> dict[str, tuple[int, float
     that of the events nested in it on the same thread."""
     by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
     for event in events:
-        op = (event.get("args") or {}).get("hlo_op")
+        # the CPU runtime names the operation in the event's arguments, a TPU's op line by the event's own name
+        op = (event.get("args") or {}).get("hlo_op") or event.get("name")
         if event.get("ph") == "X" and op in names:
-            by_thread[(event.get("pid"), event.get("tid"))].append(event)
+            by_thread[(event.get("pid"), event.get("tid"))].append({**event, "op": op})
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for thread_events in by_thread.values():
         thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
@@ -326,7 +327,7 @@ def own_times(events: list[dict], names: set[str]) -> dict[str, tuple[int, float
                 _close(stack.pop(), totals)
             if stack:
                 stack[-1][2] -= event["dur"]
-            stack.append([event["ts"] + event["dur"], event["args"]["hlo_op"], event["dur"]])
+            stack.append([event["ts"] + event["dur"], event["op"], event["dur"]])
         while stack:
             _close(stack.pop(), totals)
     return {name: (count, seconds) for name, (count, seconds) in totals.items()}
@@ -353,7 +354,14 @@ def trace_events(call: Callable[[], object], calls: int) -> list[dict]:
 def profile(call: Callable[[], object], hlo_text: str, calls: int, wall_seconds: float) -> Profile:
     """``call`` (a compiled program whose optimized HLO is ``hlo_text``) traced over ``calls`` calls, per call."""
     info = operations(hlo_text)
-    times = own_times(trace_events(call, calls), set(info))
+    events = trace_events(call, calls)
+    times = own_times(events, set(info))
+    if not times:
+        timed = collections.Counter(e.get("name") for e in events if e.get("ph") == "X")
+        raise RuntimeError(
+            f"none of the {len(events)} traced events names one of the program's {len(info)} operations (e.g. "
+            f"{sorted(info)[:3]}); the most frequent event names: {[name for name, _ in timed.most_common(8)]}"
+        )
     result = Profile(calls=calls, wall_seconds=wall_seconds, info=info)
     for name, (count, seconds) in times.items():
         op = info[name]

@@ -85,7 +85,7 @@ def _slot_rows_of(x: Float[Array, "tokens embed"], layout: BlockLayout) -> Float
     """Row ``r`` holds the token of slot ``row_slots[r]`` (zeros for padding).
 
     Both this gather and :func:`_slots_of` are permutations plus padding, so each one's gradient is
-    the other gather; written out, XLA:CPU would scatter-add instead, which runs far slower."""
+    the other gather; written out, XLA would scatter-add instead, which runs far slower on a CPU and a TPU."""
     top_k = layout.slot_rows.shape[1]
     return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[layout.row_slots // top_k]
 
@@ -148,32 +148,41 @@ def sorted_by_expert(experts: Int[Array, "tokens top_k"], num_experts: int) -> t
     return order, group_sizes, sorted_position
 
 
+def sorted_layout(experts: Int[Array, "tokens top_k"], num_experts: int, num_rows: int) -> BlockLayout:
+    """The slots sorted by expert with no padding between groups (``group_rows`` their sizes), then
+    ``num_rows - tokens * top_k`` rows of padding: the layout of one grouped kernel over all experts."""
+    order, group_sizes, sorted_position = sorted_by_expert(experts, num_experts)
+    slots = order.size
+    return BlockLayout(
+        slot_rows=sorted_position.reshape(experts.shape).astype(jnp.int32),
+        row_slots=jnp.concatenate([order, jnp.full(num_rows - slots, slots, order.dtype)]).astype(jnp.int32),
+        group_start=(jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32),
+        group_rows=group_sizes,
+    )
+
+
 def ragged(
     x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Dropless grouped compute with ``jax.lax.ragged_dot``: the ``T*k`` slots sorted by expert with no
     padding, one ragged matmul per weight. The kernel XLA provides on GPU and TPU (slow on XLA:CPU)."""
-    tokens, top_k = routing.experts.shape
-    order, group_sizes, sorted_position = sorted_by_expert(routing.experts, experts.num_experts)
-    product = lambda w, rows: w.ragged(rows, group_sizes)  # noqa: E731
-    out = experts.apply(x[order // top_k], product, product)
-    slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
-    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
+    layout = sorted_layout(routing.experts, experts.num_experts, routing.experts.size)
+    product = lambda w, rows: w.ragged(rows, layout.group_rows)  # noqa: E731
+    out = experts.apply(_slot_rows_of(x, layout), product, product)
+    return jnp.einsum("tk,tkd->td", routing.weights, _slots_of(out, layout)).astype(x.dtype)
 
 
 def grouped_matmul(
     x: Float[Array, "tokens embed"], routing: Routing, experts: RoutedExperts, config: MoEConfig
 ) -> Float[Array, "tokens embed"]:
     """Dropless grouped compute with the TPU's grouped-matmul kernel (:mod:`eqmoe.nn.megablox`): the ``T*k`` slots
-    sorted by expert, padded once to whole row tiles of ``config.tiles``, one kernel call per weight."""
-    tokens, top_k = routing.experts.shape
-    order, group_sizes, sorted_position = sorted_by_expert(routing.experts, experts.num_experts)
-    rows = x[order // top_k]
-    rows = jnp.pad(rows, ((0, megablox.padded_rows(rows.shape[0], config.tiles) - rows.shape[0]), (0, 0)))
-    product = lambda w, rows: w.grouped(rows, group_sizes, config.tiles)  # noqa: E731
-    out = experts.apply(rows, product, product)
-    slot_outputs = out[sorted_position].reshape(tokens, top_k, -1)
-    return jnp.einsum("tk,tkd->td", routing.weights, slot_outputs).astype(x.dtype)
+    sorted by expert, padded once to whole row tiles of ``config.tiles``, one kernel call per weight. Tokens move
+    into and out of expert order by gathers both ways (their gradients too: a TPU scatters slowly)."""
+    slots = routing.experts.size
+    layout = sorted_layout(routing.experts, experts.num_experts, megablox.padded_rows(slots, config.tiles))
+    product = lambda w, rows: w.grouped(rows, layout.group_rows, config.tiles)  # noqa: E731
+    out = experts.apply(_slot_rows_of(x, layout), product, product)
+    return jnp.einsum("tk,tkd->td", routing.weights, _slots_of(out, layout)).astype(x.dtype)
 
 
 def capacity(
