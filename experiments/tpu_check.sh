@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, the TPU bench rows,
-# the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. About 10 minutes
-# on one v5e chip once the wheels are there.
+# the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. On one v5e chip
+# (2026-12-07) the parts took: install 48 s, quickstart 138 s, the refused step 281 s (auto timing and compiling each
+# remat policy), bench about 290 s a row, the tests over 590 s; the whole check does not yet fit in 10 minutes.
 #
 #     bash experiments/tpu_check.sh                   # every part
 #     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
@@ -11,7 +12,8 @@
 # PIP_INDEX_URL; TPU_CHECK_TORCH=0 leaves out torch, which only the parity tests' reference needs); the machine's JAX
 # stays first on the path. TPU_CHECK_BENCH_FLAGS adds flags to bench_tpu (e.g. --rows mixtral qwen3). Logs, JSON and the table go under $OUT when it is set,
 # else under a new temporary folder named at the end. One program holds the chip at a time, so everything runs in
-# turn and the tests in one process.
+# turn and the tests in one process. auto's timings on the chip are copied beside the logs (auto_backends.json); under
+# $EQMOE_CACHE on the next machine they spare timing the same shapes again.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -155,4 +157,7 @@ done
         echo '```'
     fi
 } | tee "$out/tpu_check.md"
+# auto's timings on this chip: put back under $EQMOE_CACHE on a fresh machine, a later check skips timing the same shapes
+cache=$("$python" -c 'from eqmoe.cache import cache_root; print(cache_root() / "auto_backends.json")' 2>/dev/null)
+[ -f "$cache" ] && cp "$cache" "$out/auto_backends.json"
 echo "tpu_check: logs and results in $out" >&2
