@@ -21,6 +21,10 @@ python=${PYTHON:-python3}
 out=${OUT:-$(mktemp -d -t tpu_check.XXXXXX)}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# compiled programs kept across the parts and later checks on the same machine (the refused step and --remat auto
+# compile the same policies; a rerun compiles nothing it compiled before)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/eqmoe-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
 parts=${*:-install tests bench quickstart fit plan}
 for part in $parts; do
     case $part in install | tests | bench | quickstart | fit | plan) ;;
