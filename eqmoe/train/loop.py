@@ -323,17 +323,11 @@ def _steps(
     last_terms: dict = {}
     throughput = []
     utilisation = _Utilisation(state.model.config, options.peak_tflops, steps_to_run=start < options.steps)
-    for step in range(start, options.steps):
-        rows = dataset.batch_at(_int(state.data_step), batch_size * options.grad_accum, options.seed, shard=shard)
-        tokens = float(np.sum(rows.segment_ids > 0)) * shard[1]
-        started = time.perf_counter()
-        state, terms = train_step(device_batch(rows, parallelism), state)
+    data_step = _int(state.data_step)
+    pending = None  # an ordinary step's terms, read on the host after the next step is dispatched
+
+    def check(step: int, terms: dict) -> dict:
         terms = _host_terms(terms)
-        if compile_seconds is None:
-            compile_seconds = time.perf_counter() - started
-            window_start = time.perf_counter()
-        else:
-            window_tokens += tokens
         bad = [name for name, value in terms.items() if not np.all(np.isfinite(value))]
         if bad:
             progress.close()
@@ -341,8 +335,34 @@ def _steps(
                 f"step {step + 1}: non-finite {', '.join(bad)}; stopped, the last good checkpoint "
                 f"is step {checkpointer.latest_step()}"
             )
+        return terms
+
+    for step in range(start, options.steps):
+        rows = dataset.batch_at(data_step, batch_size * options.grad_accum, options.seed, shard=shard)
+        tokens = float(np.sum(rows.segment_ids > 0)) * shard[1]
+        started = time.perf_counter()
+        state, terms = train_step(device_batch(rows, parallelism), state)
+        data_step += 1
+        if pending is not None:  # the step before, checked while this one runs
+            check(*pending)
+            pending = None
         done = step + 1
-        if done % options.log_every == 0 or done == options.steps:
+        logged = done % options.log_every == 0 or done == options.steps
+        evaluated = done % options.eval_every == 0 and done != options.steps
+        saved = done % options.checkpoint_every == 0 or done == options.steps
+        if compile_seconds is not None and not (logged or evaluated or saved):
+            # nothing reads this step's state now: the host does not wait for it, so the next step's batch and
+            # dispatch overlap its compute (its terms are checked before anything is logged, evaluated or saved)
+            window_tokens += tokens
+            pending = (step, terms)
+            continue
+        terms = check(step, terms)
+        if compile_seconds is None:
+            compile_seconds = time.perf_counter() - started
+            window_start = time.perf_counter()
+        else:
+            window_tokens += tokens
+        if logged:
             elapsed = max(time.perf_counter() - window_start, 1e-9)
             last_terms = terms
             tokens_per_second = window_tokens / elapsed
@@ -351,9 +371,9 @@ def _steps(
             rates = utilisation.of(tokens_per_second, rows.tokens.shape[1])
             _log(metrics, trackers, {"step": done, **last_terms, "tokens_per_second": tokens_per_second, **rates})
             progress.update(done, terms["loss"], tokens_per_second, last_terms["learning_rate"], rates["mfu"])
-        if done % options.eval_every == 0 and done != options.steps:
+        if evaluated:
             _log_eval(metrics, trackers, {"step": done, **evaluate(state.model)}, options.out_dir)
-        if done % options.checkpoint_every == 0 or done == options.steps:
+        if saved:
             save(state)
     progress.close()
     final_eval = evaluate(state.model)
