@@ -45,6 +45,8 @@ timed() { # name, command...: run it (under the part's time limit), log it, reme
     return $status
 }
 
+site=${EQMOE_SITE:-/tmp/eqmoe-site}  # where install puts everything but JAX
+
 install_part() {
     # every dependency but JAX itself (the machine's TPU build stays), from the wheels here or the package index
     deps=$("$python" - <<'EOF'
@@ -61,7 +63,7 @@ EOF
     links=(--find-links .whl)
     [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
     [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
-    install() { "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "${EQMOE_SITE:-/tmp/eqmoe-site}" "${links[@]}" "$@"; }
+    install() { "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "$site" "${links[@]}" "$@"; }
     # shellcheck disable=SC2086  # $deps is a list of requirements
     if timed install install $deps; then
         row install "exit 0" "$(echo $deps | wc -w) requirements"
@@ -72,7 +74,6 @@ EOF
     fi
 }
 
-site=${EQMOE_SITE:-/tmp/eqmoe-site}
 on_path() { # the installed folder after the machine's own JAX, then the project
     [ -d "$site" ] && [[ ":${PYTHONPATH:-}:" != *":$site:"* ]] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
     [[ ":${PYTHONPATH:-}:" != *":$PWD:"* ]] && export PYTHONPATH=${PYTHONPATH:-}:$PWD
