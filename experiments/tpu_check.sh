@@ -63,13 +63,15 @@ EOF
     links=(--find-links .whl)
     [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
     [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
-    install() { "$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "$site" "${links[@]}" "$@"; }
+    # a command, not a shell function: timed runs it under `timeout`, which runs programs only
+    local install=("$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "$site" "${links[@]}")
+    rm -rf "$site"  # pip --target replaces a package's folder but keeps an older version's metadata beside it
     # shellcheck disable=SC2086  # $deps is a list of requirements
-    if timed install install $deps; then
+    if timed install "${install[@]}" $deps; then
         row install "exit 0" "$(echo $deps | wc -w) requirements"
     else  # one missing package stops pip's whole resolution: each on its own, naming the ones that cannot be had
         missing=()
-        for dep in $deps; do install "$dep" >>"$out/install.log" 2>&1 || missing+=("$dep"); done
+        for dep in $deps; do "${install[@]}" "$dep" >>"$out/install.log" 2>&1 || missing+=("$dep"); done
         row install "exit ${#missing[@]}" "not installed: ${missing[*]:-none}"
     fi
 }
