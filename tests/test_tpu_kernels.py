@@ -168,6 +168,42 @@ def test_gmm_dispatch_equals_dense_in_outputs_and_gradients():
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def _chip_accepts(block, array):
+    """Mosaic's rule for a block's last two dimensions (the chip refuses others at lowering; interpret mode does
+    not check): each divisible by 8 and 128 respectively, or the whole dimension."""
+    (a, b), (rows, columns) = block, array
+    return (a % 8 == 0 or a == rows) and (b % 128 == 0 or b == columns)
+
+
+def test_every_kernel_call_of_a_forward_and_backward_has_blocks_the_chip_accepts(monkeypatch):
+    calls = []
+    real_gmm, real_tgmm = megablox._kernels.gmm, megablox._kernels.tgmm
+
+    def gmm(lhs, rhs, sizes, dtype, tiling, *rest, transpose_rhs=False, **options):
+        tm, tk, tn = tiling
+        calls.append(("gmm", (tm, tk), lhs.shape))
+        calls.append(("gmm", (tn, tk) if transpose_rhs else (tk, tn), rhs.shape[1:]))
+        calls.append(("gmm", (tm, tn), (lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])))
+        return real_gmm(lhs, rhs, sizes, dtype, tiling, *rest, transpose_rhs=transpose_rhs, **options)
+
+    def tgmm(lhs, rhs, sizes, dtype, tiling, *rest, **options):
+        tm, tk, tn = tiling
+        calls.extend([("tgmm", (tk, tm), lhs.shape), ("tgmm", (tm, tn), rhs.shape)])
+        calls.append(("tgmm", (tk, tn), (lhs.shape[0], rhs.shape[1])))
+        return real_tgmm(lhs, rhs, sizes, dtype, tiling, *rest, **options)
+
+    monkeypatch.setattr(megablox._kernels, "gmm", gmm)
+    monkeypatch.setattr(megablox._kernels, "tgmm", tgmm)
+    sizes = jnp.array([100, 0, 28], jnp.int32)
+    for fan_in, fan_out in [(32, 96), (96, 32), (384, 288), (64, 640)]:  # narrower than a lane, and ragged tiles
+        x = jax.random.normal(jax.random.key(0), (128, fan_in))
+        w = jax.random.normal(jax.random.key(1), (3, fan_in, fan_out))
+        jax.grad(lambda x, w: jnp.sum(megablox.gmm(x, w, sizes, (128, 256, 256)) ** 2), argnums=(0, 1))(x, w)
+    assert {kernel for kernel, _, _ in calls} == {"gmm", "tgmm"}
+    refused = [(kernel, block, array) for kernel, block, array in calls if not _chip_accepts(block, array)]
+    assert not refused, refused
+
+
 def test_tiles_shrink_to_the_dimensions_they_cut():
     assert megablox._fit(768, 1024) == 768 and megablox._fit(3584, 1024) == 896 and megablox._fit(288, 1024) == 256
     assert megablox._fit(64, 128) == 64

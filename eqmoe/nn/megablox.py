@@ -12,10 +12,15 @@ dimension, or one that does not divide it, shrinks (:func:`_fit`). Off the TPU
 the kernel runs in Pallas interpret mode, for checking.
 """
 
+import functools
+import importlib
+
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.megablox import gmm as _megablox_gmm
 from jaxtyping import Array, Float, Int
+
+# the kernels' module (its package exports the function ``gmm`` under the same name)
+_kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 PLATFORMS = ("tpu",)
 Tiles = tuple[int, int, int]
@@ -54,12 +59,45 @@ def gmm(
 ) -> Float[Array, "rows fan_out"]:
     """Row group ``e`` of ``x`` times ``w[e]``, in ``x``'s dtype (accumulated in float32); ``x``'s rows a multiple of
     its row tile (:func:`padded_rows`)."""
-    tiling = (row_tile(x.shape[0], tiles), _fit(x.shape[1], tiles[1]), _fit(w.shape[2], tiles[2]))
-    if x.shape[0] % tiling[0]:
-        raise ValueError(f"gmm: {x.shape[0]} rows are not whole tiles of {tiling[0]} (pad them with padded_rows)")
-    interpret = jax.default_backend() not in PLATFORMS
-    y = _megablox_gmm(x, w.astype(x.dtype), group_sizes, x.dtype, tiling, interpret=interpret)
+    rows = row_tile(x.shape[0], tiles)
+    if x.shape[0] % rows:
+        raise ValueError(f"gmm: {x.shape[0]} rows are not whole tiles of {rows} (pad them with padded_rows)")
+    y = _grouped(x, w.astype(x.dtype), group_sizes, (rows, *tiles[1:]))
     # the kernel leaves rows past the last group unwritten (any bits, NaN among them): zeros, so that no product
     # downstream (an adapter's ragged dot, a gradient) meets them; one select, fused with what reads y
     inside = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
     return jnp.where(inside, y, 0)
+
+
+def _tiling(tiles: Tiles, fan_in: int, fan_out: int) -> Tiles:
+    """``tiles`` fitted to one product's own dimensions: the backward pass multiplies by the transposed matrix, whose
+    dimensions are the forward's swapped, so each product fits its tiles afresh (a tile fitted to 64 columns is no
+    valid block of 96 on the chip, which wants whole dimensions or multiples of 128)."""
+    return tiles[0], _fit(fan_in, tiles[1]), _fit(fan_out, tiles[2])
+
+
+def _interpret() -> bool:
+    return jax.default_backend() not in PLATFORMS
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x, w, group_sizes, tiles):
+    tiling = _tiling(tiles, x.shape[1], w.shape[2])
+    return _kernels.gmm(x, w, group_sizes, x.dtype, tiling, interpret=_interpret())
+
+
+def _grouped_forward(x, w, group_sizes, tiles):
+    return _grouped(x, w, group_sizes, tiles), (x, w, group_sizes)
+
+
+def _grouped_backward(tiles, residuals, grad):
+    x, w, group_sizes = residuals
+    # d x = grad @ w[e]^T, a product from fan_out to fan_in; d w[e] = x^T @ grad over each group's rows
+    into = _tiling(tiles, w.shape[2], w.shape[1])
+    grad_x = _kernels.gmm(grad, w, group_sizes, x.dtype, into, transpose_rhs=True, interpret=_interpret())
+    over = _tiling(tiles, x.shape[1], w.shape[2])
+    grad_w = _kernels.tgmm(x.swapaxes(0, 1), grad, group_sizes, w.dtype, over, None, w.shape[0], interpret=_interpret())
+    return grad_x, grad_w, None
+
+
+_grouped.defvjp(_grouped_forward, _grouped_backward)
