@@ -311,29 +311,39 @@ def _chat_data(options: DataOptions, tokenizer, seed: int, samples: int) -> Chat
 
 
 def _samples(model: Transformer, tokenizer, conversations: list[Conversation], count: int) -> list[dict[str, str]]:
-    """Greedy answers to the last assistant turn of each conversation, from the template's generation prompt."""
+    """Greedy answers to the last assistant turn of each conversation, from the template's generation prompt; the
+    prompts left-padded into one batch, so one program is compiled rather than one per prompt length."""
     from eqmoe.inference import generate
 
     stops = end_of_turn_ids(tokenizer)
-    samples = []
+    asked, expected, prompts = [], [], []
     for conversation in conversations[:count]:
         last = max(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
         if last == 0:
             continue
-        prompt = prompt_ids(Conversation(conversation.messages[:last], conversation.tools), tokenizer)
-        output = generate(
-            model, jnp.asarray(prompt)[None], max_new_tokens=32, eos_id=stops or None, vocab_limit=tokenizer.vocab_size
-        )
-        new = [int(t) for t in np.asarray(output[0, len(prompt) :])]
+        prompts.append(prompt_ids(Conversation(conversation.messages[:last], conversation.tools), tokenizer))
+        question = next((m for m in reversed(conversation.messages[:last]) if m["role"] != "assistant"), {})
+        asked.append(message_text(question.get("content")))
+        expected.append(message_text(conversation.messages[last].get("content")))
+    if not prompts:
+        return []
+    width = max(len(prompt) for prompt in prompts)
+    batch = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
+    for row, prompt in zip(batch, prompts, strict=True):
+        row[width - len(prompt) :] = prompt
+    mask = np.arange(width)[None] >= width - np.array([len(prompt) for prompt in prompts])[:, None]
+    output = generate(
+        model,
+        jnp.asarray(batch),
+        prompt_mask=jnp.asarray(mask),
+        max_new_tokens=32,
+        eos_id=stops or None,
+        vocab_limit=tokenizer.vocab_size,
+    )
+    samples = []
+    for new, question, answer in zip(np.asarray(output[:, width:]).tolist(), asked, expected, strict=True):
         stop = next((i for i, token in enumerate(new) if token in stops), len(new))
-        asked = next((m for m in reversed(conversation.messages[:last]) if m["role"] != "assistant"), {})
-        samples.append(
-            {
-                "prompt": message_text(asked.get("content")),
-                "expected": message_text(conversation.messages[last].get("content")),
-                "generated": tokenizer.decode(new[:stop]),
-            }
-        )
+        samples.append({"prompt": question, "expected": answer, "generated": tokenizer.decode(new[:stop])})
     return samples
 
 
