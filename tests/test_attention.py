@@ -19,6 +19,7 @@ from eqmoe.nn.attention_backends import backend_name, cudnn_attention, dense_att
 from eqmoe.nn.context import Context, attention_mask, causal_mask
 from eqmoe.nn.flash import _blocks, blockwise_attention, tile_size
 from eqmoe.nn.gqa import GroupedQueryAttention
+from tests.tolerances import FLOAT32
 
 BATCH, SEQ, EMBED, BLOCK = 2, 37, 16, 8  # 37 tokens: not a multiple of the block
 
@@ -95,15 +96,17 @@ def test_blockwise_equals_the_dense_reference_in_outputs_and_gradients(qk_norm, 
     for name, mask in _masks().items():
         expected, expected_grads = _loss_and_grads(dense, x, mask, cotangent)
         got, got_grads = _loss_and_grads(blockwise, x, mask, cotangent)
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got, expected, atol=FLOAT32, err_msg=name)
         for path, want, have in zip(
             jax.tree_util.tree_flatten_with_path(expected_grads)[0],
             jax.tree.leaves(expected_grads),
             jax.tree.leaves(got_grads),
             strict=True,
         ):
-            scale = max(1.0, float(np.abs(want).max()))  # 1e-5 relative to the gradient's size
-            np.testing.assert_allclose(have, want, atol=1e-5 * scale, err_msg=f"{name} {jax.tree_util.keystr(path[0])}")
+            scale = max(1.0, float(np.abs(want).max()))  # relative to the gradient's size
+            np.testing.assert_allclose(
+                have, want, atol=FLOAT32 * scale, err_msg=f"{name} {jax.tree_util.keystr(path[0])}"
+            )
 
 
 def test_a_query_that_sees_no_key_gets_zero_in_every_backend():
@@ -236,9 +239,9 @@ def test_sliding_windows_and_sinks_in_both_backends_equal_the_published_rule(win
             argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
             (_, out), grad = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks)
             outputs[backend.__name__], grads[backend.__name__] = out, grad
-            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=f"{name} {backend.__name__}")
+            np.testing.assert_allclose(out, want, atol=FLOAT32, err_msg=f"{name} {backend.__name__}")
         for want_grad, got_grad in zip(grads["dense_attention"], grads["blockwise_attention"], strict=True):
-            np.testing.assert_allclose(got_grad, want_grad, atol=1e-5 * max(1.0, float(np.abs(want_grad).max())))
+            np.testing.assert_allclose(got_grad, want_grad, atol=FLOAT32 * max(1.0, float(np.abs(want_grad).max())))
 
 
 def test_a_sliding_layer_visits_only_the_tiles_its_window_reaches():
