@@ -85,7 +85,8 @@ on_path() { # the installed folder after the machine's own JAX, then the project
 tests_part() { # the kernels on the chip, then the parity tests with the chip's kernels chosen by auto's rule
     # -v: each test's verdict as it ends, so a log cut by the time limit still names what failed
     # shellcheck disable=SC2086  # TPU_CHECK_TESTS: a list of test files
-    timed tests "$python" -m pytest -p no:cacheprovider -n 0 -v --tb=short -rfE -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
+    # EQMOE_FAILURES_AT_ONCE: each failure's message as the test ends (tests/conftest.py), kept by a cut log too
+    EQMOE_FAILURES_AT_ONCE=3000 timed tests "$python" -m pytest -p no:cacheprovider -n 0 -v --tb=short -rfE -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
         tests/test_attention.py tests/test_stack_and_dispatch.py tests/test_qwen3_parity.py tests/test_mixtral.py \
         tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py}
     local status=$?

@@ -49,6 +49,14 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_runtest_logreport(report):
+    """With EQMOE_FAILURES_AT_ONCE set (experiments/tpu_check.sh sets it), each failure's message is printed as the
+    test ends, not in the summary at the end: a run cut by a time limit still says why each test failed."""
+    if report.failed and os.environ.get("EQMOE_FAILURES_AT_ONCE"):
+        text = report.longreprtext
+        print(f"\n--- {report.nodeid} ({report.when}) failed:\n{text[-int(os.environ['EQMOE_FAILURES_AT_ONCE']) :]}")
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controlling process made it
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
