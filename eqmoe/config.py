@@ -162,6 +162,10 @@ class ModelConfig:
     recomputes each repeat unit from its input; ``"auto"`` is the least recomputation whose compiled step fits the
     device's memory, chosen by the training loop before its first step (:mod:`eqmoe.train.memory_fit`; elsewhere
     ``"none"``).
+    ``output_chunk``: in training, the output layer and its loss take this many positions at a time and the backward
+    pass recomputes their logits, so a step holds ``[batch, output_chunk, vocab]`` float32 logits (and their gradient)
+    rather than ``[batch, seq, vocab]``: at a vocabulary of 152k and 16 x 2048 tokens, 19 GiB against 1.2 GiB in
+    chunks of 128 (:func:`eqmoe.losses.next_token_losses_in_chunks`); ``0`` takes the whole sequence at once.
     ``init``: ``"normal"`` draws every weight from N(0, init_std^2) (HF ``initializer_range``);
     ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
     ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
@@ -181,7 +185,7 @@ class ModelConfig:
       A ``--resume`` or :meth:`Transformer.with_config` needs these equal
       (:func:`eqmoe.config_io.architecture_differences`).
     - **execution** (:func:`execution`): how that function is computed, the same numbers up to float
-      rounding: ``dtype``, ``scan_layers``, ``remat``, ``moe.dispatch``, ``moe.block_size``,
+      rounding: ``dtype``, ``scan_layers``, ``remat``, ``output_chunk``, ``moe.dispatch``, ``moe.block_size``,
       ``attention.backend``, ``attention.block_size``.
     - **objective** (:func:`objective`): what training minimises: ``loss`` (every field of it).
 
@@ -211,6 +215,7 @@ class ModelConfig:
     remat: Literal["none", "dots", "offload", "block", "auto"] = execution("none")
     mtp_layers: int = 0
     mtp_layers_declared: int | None = execution(None)
+    output_chunk: int = execution(0)
     family: str = "qwen3_moe"
 
     def __post_init__(self):
@@ -222,6 +227,14 @@ class ModelConfig:
         _one_of("ModelConfig", "dtype", self.dtype, _DTYPES)
         _one_of("ModelConfig", "param_dtype", self.param_dtype, _DTYPES)
         _one_of("ModelConfig", "remat", self.remat, REMATS)
+        chunk = self.output_chunk
+        _check(
+            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0,
+            "ModelConfig",
+            "output_chunk",
+            chunk,
+            "an integer >= 0 (0: the whole sequence at once)",
+        )
         _one_of("ModelConfig", "init", self.init, ("normal", "fan_in"))
         _one_of("ModelConfig", "tied_logit_scale", self.tied_logit_scale, ("none", "rsqrt_embed"))
         mtp = self.mtp_layers

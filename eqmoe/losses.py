@@ -9,10 +9,13 @@ Padding (``token_mask`` false, ``target_mask`` false) changes no term: the route
 included, count real tokens only, and means over groups or documents skip those without any.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from eqmoe import parallel
 from eqmoe.config import ModelConfig
 from eqmoe.model import ModelOutput
 from eqmoe.nn.routing_stats import pooled_load_balance  # noqa: F401 (its public home before it moved)
@@ -33,6 +36,50 @@ def next_token_losses(
     return jnp.sum((lse - target_logits) * keep) / count, jnp.sum(jnp.square(lse) * keep) / count
 
 
+def next_token_losses_in_chunks(
+    hidden: Float[Array, "batch seq embed"],
+    head: Callable[[Float[Array, "batch chunk embed"]], Float[Array, "batch chunk vocab"]],
+    tokens: Int[Array, "batch seq"],
+    target_mask: Bool[Array, "batch seq"],
+    chunk: int,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """:func:`next_token_losses` of ``head(hidden)``, taking ``chunk`` positions at a time: each chunk's logits are
+    made, reduced to their log-sum-exp and target logit, and made again in the backward pass, so no more than one
+    chunk's ``[batch, chunk, vocab]`` float32 logits (and their gradient) exist at once. The same sums, added chunk
+    by chunk."""
+    batch, seq, _ = hidden.shape
+    # position t predicts token t + 1; the last position predicts nothing
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    keep = jnp.pad(target_mask[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
+    chunk = min(chunk, seq)
+    extra = -seq % chunk  # a last, partial chunk is padded with positions that keep nothing
+    if extra:
+        hidden, targets, keep = (
+            jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2)) for x in (hidden, targets, keep)
+        )
+    count = (seq + extra) // chunk
+
+    def chunks(x):  # [batch, seq, ...] -> [count, batch, chunk, ...]
+        return jnp.moveaxis(x.reshape(batch, count, chunk, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def add(sums, part):
+        states, chunk_targets, chunk_keep = part
+        logits = parallel.constrain_activation(head(states), ("batch", "seq", "vocab")).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logits = jnp.take_along_axis(logits, chunk_targets[..., None], axis=-1)[..., 0]
+        cross_entropy, z = sums
+        return (
+            cross_entropy + jnp.sum((lse - target_logits) * chunk_keep),
+            z + jnp.sum(jnp.square(lse) * chunk_keep),
+        ), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (cross_entropy, z), _ = jax.lax.scan(add, (zero, zero), (chunks(hidden), chunks(targets), chunks(keep)))
+    total = jnp.maximum(keep.sum(), 1.0)
+    return cross_entropy / total, z / total
+
+
 def next_token_cross_entropy(
     logits: Float[Array, "batch seq vocab"], tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"]
 ) -> Float[Array, ""]:
@@ -41,17 +88,27 @@ def next_token_cross_entropy(
 
 
 def objective(
-    output: ModelOutput, tokens: Int[Array, "batch seq"], target_mask: Bool[Array, "batch seq"], config: ModelConfig
+    output: ModelOutput,
+    tokens: Int[Array, "batch seq"],
+    target_mask: Bool[Array, "batch seq"],
+    config: ModelConfig,
+    head: Callable | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """The training loss and every term, trained or not.
 
     ``loss = CE + output_z_loss_weight * output_z + load_balance_weight * LB[load_balance]
     + router_z_loss_weight * router_z + mtp_weight * MTP`` with the weights and the load-balancing form from
-    ``config.loss`` (``MTP``: :func:`mtp_cross_entropy`, where the model computed its layers' logits).
+    ``config.loss`` (``MTP``: :func:`mtp_cross_entropy`, where the model computed its layers' logits). An output
+    called with ``logits=False`` (``config.output_chunk``) gives its final hidden states and ``head`` its output layer.
     Every form registered in :data:`LOAD_BALANCE` is reported as ``load_balance_{name}``.
     """
     weights = config.loss
-    cross_entropy, output_z = next_token_losses(output.logits, tokens, target_mask)
+    if output.logits is None:  # the model left its output layer, ``head``, to be taken in chunks
+        cross_entropy, output_z = next_token_losses_in_chunks(
+            output.hidden, head, tokens, target_mask, config.output_chunk
+        )
+    else:
+        cross_entropy, output_z = next_token_losses(output.logits, tokens, target_mask)
     terms = {"cross_entropy": cross_entropy, "output_z_loss": output_z}
     loss = cross_entropy + weights.output_z_loss_weight * output_z
     stats = output.aux

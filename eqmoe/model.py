@@ -49,12 +49,13 @@ class ModelOutput(eqx.Module):
     need (:attr:`aux`), and, when the objective trains them (``LossConfig.mtp_weight``), the multi-token-prediction
     layers' logits (depth ``k`` at position ``i`` predicts token ``i + k + 1``)."""
 
-    logits: Float[Array, "batch seq vocab"]
+    logits: Float[Array, "batch seq vocab"] | None  # None: called with logits=False
     routing: Routing | None
     cache: KVCache | None = None
     token_mask: Bool[Array, "batch seq"] | None = None
     segment_ids: Int[Array, "batch seq"] | None = None
     mtp_logits: Float[Array, "depth batch seq vocab"] | None = None
+    hidden: Float[Array, "batch seq embed"] | None = None  # the final norm's output, when the logits are left out
     num_groups: int = eqx.field(static=True, default=1)
     balance_micro_batch_rows: int = eqx.field(static=True, default=1)
 
@@ -136,7 +137,10 @@ class Transformer(Layer):
         token_mask: Bool[Array, "batch seq"] | None = None,
         cache: KVCache | None = None,
         key: PRNGKeyArray | None = None,
+        logits: bool = True,
     ) -> ModelOutput:
+        """``logits=False`` leaves the output layer to the caller: ``logits`` is ``None`` and ``hidden`` holds the final
+        norm's output (a loss that takes the vocabulary in chunks, :func:`eqmoe.losses.next_token_losses_in_chunks`)."""
         model = self.cast(self.config.dtype)
         context = self._context(tokens, segment_ids, positions, token_mask, cache)
         x = parallel.constrain_activation(model.embed[tokens], ("batch", "seq", None))
@@ -149,7 +153,7 @@ class Transformer(Layer):
                 routings.append(routing)
             caches.append(segment_cache)
         hidden = model.final_norm(x)
-        logits = parallel.constrain_activation(model.head(hidden), ("batch", "seq", "vocab"))
+        output = parallel.constrain_activation(model.head(hidden), ("batch", "seq", "vocab")) if logits else None
         routing = jax.tree.map(lambda *xs: jnp.concatenate(xs), *routings) if routings else None
         new_cache, mtp_logits = None, None
         if cache is not None:
@@ -160,12 +164,13 @@ class Transformer(Layer):
         moe = self.config.moe
         groups = 1 if moe is None or cache is not None else moe.router.num_groups
         return ModelOutput(
-            logits,
+            output,
             routing,
             new_cache,
             context.token_mask,
             segment_ids,
             mtp_logits=mtp_logits,
+            hidden=None if logits else hidden,
             num_groups=groups,
             balance_micro_batch_rows=self.config.loss.balance_micro_batch_rows,
         )

@@ -31,6 +31,7 @@ def test_every_field_declares_its_kind_where_it_is_defined():
         "scan_layers",
         "remat",
         "mtp_layers_declared",  # what a config.json declared beyond the layers its folder holds
+        "output_chunk",
     ]
     assert field_kind(ModelConfig, "loss") == "objective"
     assert field_kind(ModelConfig, "param_dtype") == "architecture"  # the dtype the checkpoint stores
@@ -47,6 +48,7 @@ def test_architecture_differences_skip_execution_and_objective_fields():
             "remat": "block",
             "dtype": "bfloat16",
             "scan_layers": False,
+            "output_chunk": 8,
             "moe.dispatch": "dense",
             "moe.block_size": 16,
             "attention.backend": "dense",

@@ -23,7 +23,7 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   per step its float32 chunked cotangents;
   MoE FFN ``c * (2 D + k (2 D + 3 F)) + 4 * 3 E`` (router logits, probabilities, choice), dense FFN
   ``c * (2 D + 3 M)``; plus the output layer ``4 * 2 V`` per token (logits and their gradient: with the
-  flat output matmul XLA keeps no third copy).
+  flat output matmul XLA keeps no third copy); with ``output_chunk`` only one chunk's positions hold them at once.
   With ``remat="block"`` each layer keeps its input ``c * D`` per token and about three quarters of one repeat
   unit's activations are live during its recomputation;
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
@@ -197,8 +197,9 @@ def estimate(
         kept = c * d * len(layers) + 0.75 * max(units)
     else:
         kept = sum(layers)
-    output_layer = 4 * 2 * shape.split(config.vocab_size)
-    activations = shape.tokens * (kept + output_layer) + max(attention.per_step for attention, _ in costs)
+    output_layer = 4 * 2 * shape.split(config.vocab_size)  # per position whose logits exist at once
+    at_once = shape.tokens if not config.output_chunk else shape.rows * min(config.output_chunk, shape.seq)
+    activations = shape.tokens * kept + at_once * output_layer + max(attention.per_step for attention, _ in costs)
     return Memory(
         parameters=params,
         optimizer=2 * 4 * trained,

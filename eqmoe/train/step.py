@@ -67,14 +67,17 @@ def batch_loss(
     """The configured objective on a packed batch (padding, segment id 0, is masked everywhere), its
     terms and each MoE layer's routing sums (:func:`_routing_sums`; ``None`` without MoE layers). ``key``: the
     step's training-time randomness (LoRA dropout)."""
+    chunked = model.config.output_chunk > 0  # the loss takes the output layer in chunks
     output = model(
         batch.tokens,
         segment_ids=batch.segment_ids,
         positions=batch.positions,
         token_mask=batch.segment_ids != 0,
         key=key,
+        logits=not chunked,
     )
-    loss, terms = objective(output, batch.tokens, batch.target_mask, model.config)
+    head = model.cast(model.config.dtype).head if chunked else None
+    loss, terms = objective(output, batch.tokens, batch.target_mask, model.config, head)
     sums = None if output.aux is None else _routing_sums(output.aux)
     if sums is not None:
         terms.update(_routing_terms(sums))
