@@ -164,8 +164,8 @@ class ModelConfig:
     ``"none"``).
     ``output_chunk``: in training, the output layer and its loss take this many positions at a time and the backward
     pass recomputes their logits, so a step holds ``[batch, output_chunk, vocab]`` float32 logits (and their gradient)
-    rather than ``[batch, seq, vocab]``: at a vocabulary of 152k and 16 x 2048 tokens, 19 GiB against 1.2 GiB in
-    chunks of 128 (:func:`eqmoe.losses.next_token_losses_in_chunks`); ``0`` takes the whole sequence at once.
+    rather than ``[batch, seq, vocab]``: at a vocabulary of 152k and 16 x 2048 tokens, 18.5 GiB of logits against
+    1.2 GiB in chunks of 128 (:func:`eqmoe.losses.next_token_losses_in_chunks`); ``0`` takes the whole sequence at once.
     ``init``: ``"normal"`` draws every weight from N(0, init_std^2) (HF ``initializer_range``);
     ``"fan_in"`` uses variance 1/fan_in for weights and 1/embed_dim for the embedding (AXLearn).
     ``tied_logit_scale``: with tied embeddings, logits are ``x @ E^T`` (``"none"``) or that times
