@@ -47,6 +47,9 @@ class Args:
     """The chip's peak (default: its specified bf16 peak, eqmoe.flops.SPECIFIED_PEAKS)."""
     json_out: Path | None = None
     """Also write the results to this JSON file."""
+    output_chunk: int = 0
+    """Take each row's output layer and loss this many positions at a time (ModelConfig.output_chunk; 0: whole rows):
+    less memory for the logits, so a lighter remat policy may fit."""
     profile: int = 0
     """Also trace this many steps of each row (XLA's own trace) and print where the step's time goes, by operation
     kind, pass and source line (as ``experiments.profile_step``)."""
@@ -351,7 +354,7 @@ def main(args: Args) -> None:
     configs = _configs()
     results = []
     for name in args.rows:
-        config = configs[name]
+        config = configs[name].replace(output_chunk=args.output_chunk)
         print(f"== {name}", file=sys.stderr)
         try:
             row = _train_row(config, args.batch_size, args.steps, args.profile, peak)

@@ -126,9 +126,13 @@ fit_part() { # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 1024: 3
 }
 
 plan_part() { # the analytic memory against the chip's compiled memory, single device
+    # at widths of whole 128-lane tiles: the chip pads an array's last dimension to 128 lanes, so the small presets'
+    # 32-wide heads and 8-expert router tensors held 4-16x their bytes there (2026-12-07, none: compiled 2-3x the
+    # analytic; block, which keeps only embed-wide layer inputs: 0.81-1.30x)
     local preset
     for preset in qwen3-moe-tiny envy-test deepseek-v3-micro; do
-        timed "plan_$preset" "$python" -m experiments.plan --preset "$preset" --batch-size 16 --seq-len 1024 \
+        timed "plan_$preset" "$python" -m experiments.plan --preset "$preset" --batch-size 8 --seq-len 1024 \
+            --override embed_dim=1024 attention.head_dim=128 vocab_size=32000 moe.expert_dim=512 \
             --dtype bfloat16 --remats none block --json
         row "plan $preset" "exit $?" "$("$python" - "$out/plan_$preset.log" <<'EOF'
 import json, sys
