@@ -1,5 +1,6 @@
 """Timing ``auto``'s candidates: one workload's candidates timed (or read from the cache), the fastest median chosen."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -121,12 +122,11 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
     if isinstance(entry, dict) and entry.get("choice") in candidates:
         return workload.measurement(entry["choice"], "cached", seconds=entry.get("seconds", {}))
     skipped = {name: why for name in candidates if (why := workload.eligible(name, candidates)) is not None}
+    programs = _compiled([name for name in candidates if name not in skipped], workload, skipped)
     seconds = {}
-    for name in candidates:
-        if name in skipped:
-            continue
+    for name, (function, arguments) in programs.items():  # one at a time: timings must not share the device
         try:
-            seconds[name] = time_calls(*workload.program(name), best=min(seconds.values(), default=None))
+            seconds[name] = time_calls(function, arguments, best=min(seconds.values(), default=None))
         except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
             skipped[name] = str(error).splitlines()[0][:120]
         except jax.errors.JaxRuntimeError as error:  # e.g. XLA:CPU's dense emulation of ragged_dot at 256 experts
@@ -138,6 +138,42 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
     choice = min(seconds, key=seconds.__getitem__)
     _write_cache(cache, {**entries, key: {"choice": choice, "seconds": seconds}})
     return workload.measurement(choice, "measured", seconds=seconds, skipped=skipped)
+
+
+def _compiled(names: list[str], workload: Workload, skipped: dict[str, str]) -> dict:
+    """Each candidate's program, traced in turn and compiled side by side (XLA compiles on host threads, and a
+    TPU host has cores to spare: ten candidates cost about the slowest compile, not the sum); a candidate that
+    refuses the config, or whose program does not fit, goes to ``skipped`` with why."""
+    lowered = {}
+    for name in names:
+        try:
+            function, arguments = workload.program(name)
+            # a plain function (not jitted) is left to compile at its first call
+            lowered[name] = (function.lower(*arguments) if hasattr(function, "lower") else function, arguments)
+        except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
+            skipped[name] = str(error).splitlines()[0][:120]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        futures = {
+            name: pool.submit(program.compile) if hasattr(program, "compile") else _done(program)
+            for name, (program, _) in lowered.items()
+        }
+    programs = {}
+    for name, future in futures.items():
+        try:
+            programs[name] = (future.result(), lowered[name][1])
+        except (ValueError, TypeError, NotImplementedError) as error:
+            skipped[name] = str(error).splitlines()[0][:120]
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            skipped[name] = "out of memory"
+    return programs
+
+
+def _done(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def time_calls(function, arguments, *, best: float | None, repeats: int = REPEATS) -> float:
