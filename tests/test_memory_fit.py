@@ -62,6 +62,23 @@ def _needs() -> dict[str, float]:
     return needs
 
 
+def test_policies_compiled_side_by_side_hold_what_they_hold_one_at_a_time(monkeypatch):
+    trials, make_step, batch = {}, None, None
+    for remat in ("none", "block"):
+        trials[remat], batch, _, make_step = _state_and_step(remat)
+    monkeypatch.setattr(memory_fit.os, "cpu_count", lambda: 1)  # in turn, up to the first that fits
+    assert list(memory_fit.compile_steps(make_step, batch, trials, lambda step, need: True)) == ["none"]
+    in_turn = memory_fit.compile_steps(make_step, batch, trials, lambda step, need: False)
+    monkeypatch.setattr(memory_fit.os, "cpu_count", lambda: 8)  # every one, on threads
+    side_by_side = memory_fit.compile_steps(make_step, batch, trials, lambda step, need: True)
+    assert {name: need for name, (_, need) in side_by_side.items()} == {
+        name: need for name, (_, need) in in_turn.items()
+    }
+    step, _ = side_by_side["block"]
+    _, terms = step(batch, trials["block"])
+    assert np.isfinite(float(terms["loss"]))
+
+
 def _pretrain_args(out_dir, *extra):
     argv = ["--out-dir", str(out_dir), "--steps", "2", "--seq-len", str(SEQ), "--batch-size", str(ROWS)]
     argv += ["--chars-per-domain", "3000", "--eval-chars-per-domain", "800", "--log-every", "1", *extra]

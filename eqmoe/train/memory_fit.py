@@ -7,12 +7,15 @@ reuse an argument's buffer (``argument + temp + output - alias``). That is compa
 ``--device-memory-gib`` is checked). The compiled program is the one the loop then calls, so nothing is compiled
 twice.
 
-``remat="auto"`` compiles the step under each policy of :data:`eqmoe.config.REMATS` in order, least recomputation
-first, and keeps the first that fits. A step that fits under no setting asked for raises :class:`DoesNotFit`:
+``remat="auto"`` compiles the step under each policy of :data:`eqmoe.config.REMATS` (side by side where the host
+has the cores) and keeps the first that fits, least recomputation first.
+A step that fits under no setting asked for raises :class:`DoesNotFit`:
 what it needs, what the device has, and what would fit (another remat policy, or the same batch in smaller
 micro-batches with ``--grad-accum``: temporaries shrink with the micro-batch, arguments do not).
 """
 
+import concurrent.futures
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -61,8 +64,29 @@ def compile_step(step, batch, state) -> tuple[Callable | None, Need]:
     """``(the compiled step, what it holds)`` for these arguments. A compiler that refuses a program larger than the
     device (XLA:TPU's ``RESOURCE_EXHAUSTED ... HLO temporaries (35.83G) exceeds available HBM``) gives no program and
     the temporaries it named beside the arguments' own bytes."""
+    return _compiled_need(step.lower(batch, state), batch, state)
+
+
+def compile_steps(make_step: Callable[[], Callable], batch, states: dict[str, object], fits: Callable) -> dict:
+    """:func:`compile_step` of the named states in order up to the first whose step ``fits``; where the host has a
+    core for each, all of them compiled side by side instead (a TPU host's 13 cores compile the four remat policies
+    in about the time of the slowest; a 2-core CPU compiles no more than it needs)."""
+    if (os.cpu_count() or 1) < len(states):
+        compiled = {}
+        for name, state in states.items():
+            compiled[name] = compile_step(make_step(), batch, state)
+            if fits(*compiled[name]):
+                break
+        return compiled
+    lowered = {name: make_step().lower(batch, state) for name, state in states.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        futures = {name: pool.submit(_compiled_need, program, batch, states[name]) for name, program in lowered.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def _compiled_need(lowered, batch, state) -> tuple[Callable | None, Need]:
     try:
-        compiled = step.lower(batch, state).compile()
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
         temporaries = re.search(r"temporaries \(([\d.]+)([KMGT])\)", str(error))
         if "RESOURCE_EXHAUSTED" not in str(error) or temporaries is None:
@@ -106,12 +130,17 @@ def fit(
             state = under_remat(state, "none", optimizer)
         return state, make_step()
     candidates = [r for r in REMATS if r != "auto"] if asked == "auto" else [asked]
+    trials = {remat: under_remat(state, remat, optimizer) for remat in candidates}
+
+    def fits(step, need) -> bool:
+        return step is not None and need.total <= HEADROOM * limit
+
+    compiled = compile_steps(make_step, batch, trials, fits)
     needs = {}
-    for remat in candidates:
-        trial = under_remat(state, remat, optimizer)
-        step, need = compile_step(make_step(), batch, trial)
+    for remat in compiled:  # least recomputation first
+        trial, (step, need) = trials[remat], compiled[remat]
         needs[remat] = need
-        if step is not None and need.total <= HEADROOM * limit:
+        if fits(step, need):
             if asked == "auto":
                 tried = ", ".join(f"{name} {n.total / GIB:.2f} GiB" for name, n in needs.items())
                 print(
@@ -126,8 +155,10 @@ def _refusal(asked, needs, limit, state, optimizer, make_step, batch, rows, grad
     need = needs[asked if asked != "auto" else "none"]
     fits = []
     if asked != "auto":  # the other policies, compiled (a cheaper one may fit where the one asked does not)
-        for remat in (r for r in REMATS if r not in ("auto", asked)):
-            needs[remat] = compile_step(make_step(), batch, under_remat(state, remat, optimizer))[1]
+        others = {r: under_remat(state, r, optimizer) for r in REMATS if r not in ("auto", asked)}
+        compiled = compile_steps(make_step, batch, others, lambda _, need: need.total <= HEADROOM * limit)
+        needs.update({remat: need for remat, (_, need) in compiled.items()})
+        for remat in compiled:
             if needs[remat].total <= HEADROOM * limit:
                 fits.append(f"--remat {remat} ({needs[remat].total / GIB:.2f} GiB)")
                 break
