@@ -50,7 +50,7 @@ def _numpy_terms(model, batch: Batch) -> tuple[float, float]:
     )
 
 
-@pytest.mark.parametrize("chunk", [5, 8, 64])
+@pytest.mark.parametrize("chunk", [5, 64])  # a partial last chunk; one chunk longer than the rows
 def test_chunked_terms_equal_numpy_and_gradients_equal_the_whole_sequence(chunk):
     from eqmoe.model import Transformer
 

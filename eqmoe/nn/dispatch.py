@@ -87,7 +87,8 @@ def _slot_rows_of(x: Float[Array, "tokens embed"], layout: BlockLayout) -> Float
     Both this gather and :func:`_slots_of` are permutations plus padding, so each one's gradient is
     the other gather; written out, XLA would scatter-add instead, which runs far slower on a CPU and a TPU."""
     top_k = layout.slot_rows.shape[1]
-    return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[layout.row_slots // top_k]
+    # a padding row's slot is past the last token: filled with zeros by the gather, no padded copy of x
+    return jnp.take(x, layout.row_slots // top_k, axis=0, mode="fill", fill_value=0)
 
 
 def _slot_rows_fwd(x, layout):
@@ -113,7 +114,7 @@ def _slots_fwd(rows, layout):
 
 def _slots_bwd(layout, d_slots):
     flat = d_slots.reshape(-1, d_slots.shape[2])
-    return jnp.concatenate([flat, jnp.zeros((1, flat.shape[1]), flat.dtype)])[layout.row_slots], None
+    return jnp.take(flat, layout.row_slots, axis=0, mode="fill", fill_value=0), None
 
 
 _slots_of.defvjp(_slots_fwd, _slots_bwd)
