@@ -30,6 +30,12 @@ def _positive(owner: str, **values: int | float) -> None:
         _check(value > 0, owner, name, value, "a positive number")
 
 
+def _whole(owner: str, name: str, value: object, least: int, note: str = "") -> None:
+    """``value`` an integer (not a bool) of at least ``least``; ``note`` follows the allowed range in the message."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    _check(ok, owner, name, value, f"an integer >= {least}{note}")
+
+
 def _one_of(owner: str, name: str, value: object, allowed: tuple) -> None:
     _check(value in allowed, owner, name, value, " | ".join(map(str, allowed)))
 

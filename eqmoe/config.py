@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from eqmoe._checks import EXECUTION, OBJECTIVE, _check, _one_of, _positive, execution, objective  # noqa: F401
+from eqmoe._checks import EXECUTION, OBJECTIVE, _check, _one_of, _positive, _whole, execution, objective  # noqa: F401
 from eqmoe.attention_config import AttentionConfig
 from eqmoe.latent_attention import LatentAttentionConfig  # noqa: F401 (part of the config API)
 from eqmoe.linear_attention import LinearAttentionConfig  # noqa: F401 (part of the config API)
@@ -227,24 +227,11 @@ class ModelConfig:
         _one_of("ModelConfig", "dtype", self.dtype, _DTYPES)
         _one_of("ModelConfig", "param_dtype", self.param_dtype, _DTYPES)
         _one_of("ModelConfig", "remat", self.remat, REMATS)
-        chunk = self.output_chunk
-        _check(
-            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0,
-            "ModelConfig",
-            "output_chunk",
-            chunk,
-            "an integer >= 0 (0: the whole sequence at once)",
-        )
+        _whole("ModelConfig", "output_chunk", self.output_chunk, 0, " (0: the whole sequence at once)")
         _one_of("ModelConfig", "init", self.init, ("normal", "fan_in"))
         _one_of("ModelConfig", "tied_logit_scale", self.tied_logit_scale, ("none", "rsqrt_embed"))
         mtp = self.mtp_layers
-        _check(
-            isinstance(mtp, int) and not isinstance(mtp, bool) and mtp >= 0,
-            "ModelConfig",
-            "mtp_layers",
-            mtp,
-            "an integer >= 0",
-        )
+        _whole("ModelConfig", "mtp_layers", mtp, 0)
         _check(
             self.loss.mtp_weight == 0 or mtp > 0,
             "ModelConfig",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from eqmoe._checks import _check, _one_of, _positive, execution
+from eqmoe._checks import _check, _one_of, _positive, _whole, execution
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,7 @@ class LossConfig:
     def __post_init__(self):
         for name in ("load_balance_weight", "router_z_loss_weight", "output_z_loss_weight", "mtp_weight"):
             _check(getattr(self, name) >= 0, "LossConfig", name, getattr(self, name), "a number >= 0")
-        rows = self.balance_micro_batch_rows
-        _check(
-            isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1,
-            "LossConfig",
-            "balance_micro_batch_rows",
-            rows,
-            "an integer >= 1",
-        )
+        _whole("LossConfig", "balance_micro_batch_rows", self.balance_micro_batch_rows, 1)
 
 
 @dataclass(frozen=True)

@@ -127,12 +127,8 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
     for name, (function, arguments) in programs.items():  # one at a time: timings must not share the device
         try:
             seconds[name] = time_calls(function, arguments, best=min(seconds.values(), default=None))
-        except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
-            skipped[name] = str(error).splitlines()[0][:120]
-        except jax.errors.JaxRuntimeError as error:  # e.g. XLA:CPU's dense emulation of ragged_dot at 256 experts
-            if "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            skipped[name] = "out of memory"
+        except Exception as error:
+            skipped[name] = _why_skipped(error)
     if not seconds:
         raise ValueError(f"auto {workload.field}: no registered backend can run {workload.description}: {skipped}")
     choice = min(seconds, key=seconds.__getitem__)
@@ -143,37 +139,37 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
 def _compiled(names: list[str], workload: Workload, skipped: dict[str, str]) -> dict:
     """Each candidate's program, traced in turn and compiled side by side (XLA compiles on host threads, and a
     TPU host has cores to spare: ten candidates cost about the slowest compile, not the sum); a candidate that
-    refuses the config, or whose program does not fit, goes to ``skipped`` with why."""
-    lowered = {}
-    for name in names:
+    refuses the config, or whose program does not fit, goes to ``skipped`` with why. A plain (not jitted) function
+    is left to compile at its first call."""
+    programs, compiling = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        for name in names:
+            try:
+                function, arguments = workload.program(name)
+                programs[name] = (function, arguments)
+                if hasattr(function, "lower"):
+                    compiling[name] = pool.submit(function.lower(*arguments).compile)
+            except Exception as error:
+                skipped[name] = _why_skipped(error)
+    for name, future in compiling.items():
         try:
-            function, arguments = workload.program(name)
-            # a plain function (not jitted) is left to compile at its first call
-            lowered[name] = (function.lower(*arguments) if hasattr(function, "lower") else function, arguments)
-        except (ValueError, TypeError, NotImplementedError) as error:  # a backend that refuses this config
-            skipped[name] = str(error).splitlines()[0][:120]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-        futures = {
-            name: pool.submit(program.compile) if hasattr(program, "compile") else _done(program)
-            for name, (program, _) in lowered.items()
-        }
-    programs = {}
-    for name, future in futures.items():
-        try:
-            programs[name] = (future.result(), lowered[name][1])
-        except (ValueError, TypeError, NotImplementedError) as error:
-            skipped[name] = str(error).splitlines()[0][:120]
-        except jax.errors.JaxRuntimeError as error:
-            if "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            skipped[name] = "out of memory"
+            programs[name] = (future.result(), programs[name][1])
+        except Exception as error:
+            skipped[name] = _why_skipped(error)
+            del programs[name]
     return programs
 
 
-def _done(value) -> concurrent.futures.Future:
-    future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
+def _why_skipped(error: Exception) -> str:
+    """Why a candidate that raised ``error`` is not timed: it refuses this config (its first line), or its program
+    does not fit the device; anything else is raised again."""
+    if isinstance(error, jax.errors.JaxRuntimeError):  # e.g. XLA:CPU's dense emulation of ragged_dot at 256 experts
+        if "RESOURCE_EXHAUSTED" in str(error):
+            return "out of memory"
+        raise error
+    if isinstance(error, ValueError | TypeError | NotImplementedError):
+        return str(error).splitlines()[0][:120]
+    raise error
 
 
 def time_calls(function, arguments, *, best: float | None, repeats: int = REPEATS) -> float:
