@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, the TPU bench rows,
 # the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. On one v5e chip
-# (2026-12-07) the parts took: install 48 s, quickstart 138 s, the refused step 281 s (auto timing and compiling each
-# remat policy), bench about 290 s a row, the tests over 590 s; the whole check does not yet fit in 10 minutes.
+# (2026-12-07) the parts took: install 45-48 s, quickstart 138 s, the refused step 281 s (auto timing and compiling each
+# remat policy), bench about 290 s a row, plan 66-80 s a preset, the tests over 600 s (32 of them in 404 s: each
+# compiles its own programs); the whole check does not yet fit in 10 minutes.
 #
 #     bash experiments/tpu_check.sh                   # every part
 #     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
@@ -10,7 +11,11 @@
 #
 # A machine without internet installs from wheels in .whl/ (and its own package index where pip is pointed at one:
 # PIP_INDEX_URL; TPU_CHECK_TORCH=0 leaves out torch, which only the parity tests' reference needs); the machine's JAX
-# stays first on the path. TPU_CHECK_BENCH_FLAGS adds flags to bench_tpu (e.g. --rows mixtral qwen3). Logs, JSON and the table go under $OUT when it is set,
+# stays first on the path. Wheels for such a machine, fetched where there is internet (what a package index may lack:
+# the parity tests need transformers 5.25, which needs huggingface_hub 2.4 or later):
+#     pip download --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
+#         --platform manylinux2014_x86_64 -d .whl equinox tyro beartype tiktoken tensorboardX "transformers==5.25.0" accelerate
+# TPU_CHECK_BENCH_FLAGS adds flags to bench_tpu (e.g. --rows mixtral qwen3). Logs, JSON and the table go under $OUT when it is set,
 # else under a new temporary folder named at the end. One program holds the chip at a time, so everything runs in
 # turn and the tests in one process. auto's timings on the chip are copied beside the logs (auto_backends.json); under
 # $EQMOE_CACHE on the next machine they spare timing the same shapes again.
@@ -62,7 +67,7 @@ EOF
 )
     links=(--find-links .whl)
     [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)  # torch's CPU build, for the parity tests' reference
-    [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch"
+    [ "${TPU_CHECK_TORCH:-1}" = 1 ] && deps="$deps torch accelerate"  # accelerate: transformers' MXFP4 reader
     # a command, not a shell function: timed runs it under `timeout`, which runs programs only
     local install=("$python" -m pip install -q --no-compile --only-binary=:all: --upgrade --target "$site" "${links[@]}")
     rm -rf "$site"  # pip --target replaces a package's folder but keeps an older version's metadata beside it
@@ -128,7 +133,9 @@ fit_part() { # 16 x 2048 tokens, 8 MoE layers of 64 experts top-8, embed 1024: 3
 plan_part() { # the analytic memory against the chip's compiled memory, single device
     # at widths of whole 128-lane tiles: the chip pads an array's last dimension to 128 lanes, so the small presets'
     # 32-wide heads and 8-expert router tensors held 4-16x their bytes there (2026-12-07, none: compiled 2-3x the
-    # analytic; block, which keeps only embed-wide layer inputs: 0.81-1.30x)
+    # analytic; block, which keeps only embed-wide layer inputs: 0.81-1.30x). At these widths (same chip and day):
+    # analytic / compiled none 0.86x, 0.94x, 0.87x; block 1.47x, 1.66x, 1.46x (the chip keeps far less of the output
+    # layer than the float32 logits and their gradient the analytic side counts, calibrated on XLA:CPU)
     local preset
     for preset in qwen3-moe-tiny envy-test deepseek-v3-micro; do
         timed "plan_$preset" "$python" -m experiments.plan --preset "$preset" --batch-size 8 --seq-len 1024 \

@@ -204,6 +204,33 @@ def test_every_kernel_call_of_a_forward_and_backward_has_blocks_the_chip_accepts
     assert not refused, refused
 
 
+def test_bfloat16_kernels_are_traced_at_one_pass_under_a_program_wide_highest_precision(monkeypatch):
+    # the chip refuses a float32 contraction of bfloat16 operands ("Mosaic failed to compile TPU kernel: Bad lhs
+    # type", one v5e chip, the bf16 parity test under highest); interpret mode accepts it, so the precision in force
+    # when each kernel is traced is what this checks, forward and backward
+    from jax.experimental import pallas
+
+    traced_at = []
+    real_pallas_call = pallas.pallas_call
+
+    def pallas_call(*args, **options):
+        traced_at.append(jax.config.jax_default_matmul_precision)
+        return real_pallas_call(*args, **options)
+
+    monkeypatch.setattr(pallas, "pallas_call", pallas_call)
+    x = jax.random.normal(jax.random.key(0), (128, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (3, 32, 96), jnp.bfloat16)
+    sizes = jnp.array([100, 0, 28], jnp.int32)
+    jax.grad(lambda x, w: jnp.sum(megablox.gmm(x, w, sizes, (128, 128, 128)).astype(jnp.float32)), (0, 1))(x, w)
+    q, k, v, key = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in _qkv(1, 1, 2, 64, 64))
+    segments = jnp.ones((1, SEQ), jnp.int32)
+    sinks = jax.random.normal(key, (1, 2))
+    _values_and_grads(splash.splash_attention, q, k, v, attention_mask(segments, segments > 0), None, sinks)
+    assert len(traced_at) >= 6, traced_at  # gmm, its two backward products; splash forward, dq, dk/dv
+    assert "highest" not in traced_at, traced_at
+    assert jax.config.jax_default_matmul_precision == "highest"  # float32 callers keep what they asked for
+
+
 def test_tiles_shrink_to_the_dimensions_they_cut():
     assert megablox._fit(768, 1024) == 768 and megablox._fit(3584, 1024) == 896 and megablox._fit(288, 1024) == 256
     assert megablox._fit(64, 128) == 64

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from eqmoe.nn._pallas import operand_precision
+
 # the kernels' module (its package exports the function ``gmm`` under the same name)
 _kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
@@ -83,7 +85,8 @@ def _interpret() -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(x, w, group_sizes, tiles):
     tiling = _tiling(tiles, x.shape[1], w.shape[2])
-    return _kernels.gmm(x, w, group_sizes, x.dtype, tiling, interpret=_interpret())
+    with operand_precision(x.dtype):
+        return _kernels.gmm(x, w, group_sizes, x.dtype, tiling, interpret=_interpret())
 
 
 def _grouped_forward(x, w, group_sizes, tiles):
@@ -94,9 +97,12 @@ def _grouped_backward(tiles, residuals, grad):
     x, w, group_sizes = residuals
     # d x = grad @ w[e]^T, a product from fan_out to fan_in; d w[e] = x^T @ grad over each group's rows
     into = _tiling(tiles, w.shape[2], w.shape[1])
-    grad_x = _kernels.gmm(grad, w, group_sizes, x.dtype, into, transpose_rhs=True, interpret=_interpret())
     over = _tiling(tiles, x.shape[1], w.shape[2])
-    grad_w = _kernels.tgmm(x.swapaxes(0, 1), grad, group_sizes, w.dtype, over, None, w.shape[0], interpret=_interpret())
+    with operand_precision(x.dtype):
+        grad_x = _kernels.gmm(grad, w, group_sizes, x.dtype, into, transpose_rhs=True, interpret=_interpret())
+        grad_w = _kernels.tgmm(
+            x.swapaxes(0, 1), grad, group_sizes, w.dtype, over, None, w.shape[0], interpret=_interpret()
+        )
     return grad_x, grad_w, None
 
 

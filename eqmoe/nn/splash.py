@@ -22,6 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jaxtyping import Array, Float
 
+from eqmoe.nn._pallas import at_operand_precision
 from eqmoe.nn.context import AttentionMask
 
 PLATFORMS = ("tpu",)
@@ -102,7 +103,13 @@ def splash_attention(
     key_segment = jnp.where(mask.key_valid, mask.key_segment, hidden).astype(jnp.int32)
     segments = kernel_lib.SegmentIds(q=mask.query_segment.astype(jnp.int32), kv=key_segment)
     flat_sinks = None if sinks is None else sinks.reshape(-1).astype(jnp.float32)
-    out = jax.vmap(lambda q, k, v, segments: kernel(q, k, v, segments, flat_sinks))(rows, k, v, segments)
+    if flat_sinks is None:
+        per_row = at_operand_precision(jax.vmap(lambda q, k, v, segments: kernel(q, k, v, segments)), q.dtype)
+        out = per_row(rows, k, v, segments)
+    else:
+        in_axes = (0, 0, 0, 0, None)
+        per_row = at_operand_precision(jax.vmap(kernel, in_axes=in_axes), q.dtype)
+        out = per_row(rows, k, v, segments, flat_sinks)
     sees_any = jnp.any(mask.dense(window), axis=-1)  # [batch, queries]; a fused reduction, nothing materialised
     out = jnp.where(sees_any[:, None, :, None], out, 0).astype(q.dtype)
     return out.reshape(batch, kv_heads, group, queries, v.shape[-1])
