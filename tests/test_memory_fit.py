@@ -17,12 +17,12 @@ from experiments import pretrain
 ROWS, SEQ = 8, 64
 
 
-def _state_and_step(remat: str):
+def _state_and_step(remat: str, **changes):
     import equinox as eqx
 
     from eqmoe.model import Transformer
 
-    config = presets.get("qwen3-moe-micro").replace(remat=remat)
+    config = presets.get("qwen3-moe-micro").replace(remat=remat, **changes)
     model = Transformer(config, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_array)
     optimizer, schedule = make_optimizer(OptimizerConfig(), params, embed_dim=config.embed_dim)
@@ -101,6 +101,24 @@ def test_a_step_that_does_not_fit_is_one_line_naming_a_setting_that_fits_and_wri
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith("auto remat ->"))
     assert "'none'" not in line.split("(")[0] and "none " in line  # none was compiled, and not taken
+    assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_step_whose_logits_do_not_fit_is_told_to_take_the_output_layer_in_chunks(tmp_path, capsys):
+    # a vocabulary of 16,384 at 8 x 64 tokens: float32 logits and their gradient (67 MB) are most of the step
+    needs = {}
+    for chunk in (0, SEQ // 8):
+        state, batch, _, make_step = _state_and_step("none", vocab_size=16384, output_chunk=chunk)
+        needs[chunk] = memory_fit.compile_step(make_step(), batch, state)[1].total
+    assert needs[SEQ // 8] < needs[0] / 1.5
+    limit_gib = (needs[SEQ // 8] / memory_fit.HEADROOM + needs[0]) / 2 / 2**30
+    out = tmp_path / "run"
+    wide = ("--device-memory-gib", f"{limit_gib:.6f}", "--override", "vocab_size=16384")
+    assert pretrain.main(_pretrain_args(out, *wide)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pretrain:")]
+    assert len(err) == 1 and f"--override output_chunk={SEQ // 8} (" in err[0], err
+    assert not out.exists()
+    assert pretrain.main(_pretrain_args(out, *wide, f"output_chunk={SEQ // 8}")) == 0  # as it said: it fits
     assert (out / "metrics.jsonl").is_file()
 
 

@@ -9,9 +9,10 @@ twice.
 
 ``remat="auto"`` compiles the step under each policy of :data:`eqmoe.config.REMATS` (side by side where the host
 has the cores) and keeps the first that fits, least recomputation first.
-A step that fits under no setting asked for raises :class:`DoesNotFit`:
-what it needs, what the device has, and what would fit (another remat policy, or the same batch in smaller
-micro-batches with ``--grad-accum``: temporaries shrink with the micro-batch, arguments do not).
+A step that fits under no setting asked for raises :class:`DoesNotFit`: what it needs, what the device has, and what
+would fit (another remat policy; the output layer in chunks, ``--override output_chunk=N``, where the logits are what
+does not fit; or the same batch in smaller micro-batches with ``--grad-accum``: temporaries shrink with the
+micro-batch, arguments do not).
 """
 
 import concurrent.futures
@@ -104,10 +105,10 @@ def _compiled_need(lowered, batch, state) -> tuple[Callable | None, Need]:
     return compiled, need
 
 
-def under_remat(state, remat: str, optimizer):
-    """``state`` with its model run under ``remat``: the same arrays, the model's config (static, and repeated in the
-    optimizer state's tree) replaced throughout."""
-    model = state.model.with_config(state.model.config.replace(remat=remat))
+def under_remat(state, remat: str, optimizer, **changes):
+    """``state`` with its model run under ``remat`` (and other execution ``changes``, e.g. ``output_chunk``): the same
+    arrays, the model's config (static, and repeated in the optimizer state's tree) replaced throughout."""
+    model = state.model.with_config(state.model.config.replace(remat=remat, **changes))
     target = abstract_state(lambda: model, optimizer, key=jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(state))
 
@@ -162,6 +163,9 @@ def _refusal(asked, needs, limit, state, optimizer, make_step, batch, rows, grad
             if needs[remat].total <= HEADROOM * limit:
                 fits.append(f"--remat {remat} ({needs[remat].total / GIB:.2f} GiB)")
                 break
+    chunked = _output_in_chunks(asked, needs, limit, state, optimizer, make_step, batch, grad_accum)
+    if chunked:
+        fits.append(chunked)
     leanest = min(needs, key=lambda name: needs[name].total)
     for parts in (p for p in range(2, rows + 1) if rows % p == 0):
         if needs[leanest].with_micro_batches(parts) <= HEADROOM * limit:
@@ -177,3 +181,27 @@ def _refusal(asked, needs, limit, state, optimizer, make_step, batch, rows, grad
         f"the train step needs {need.total / GIB:.2f} GiB {policy} (arguments {need.argument / GIB:.2f}, temporaries "
         f"{need.temp / GIB:.2f}) but the device has {limit / GIB:.2f} GiB; fits: {what}"
     )
+
+
+# Output positions at a time suggested where a step's logits are what does not fit (a wide vocabulary: 152k x 16 x
+# 2048 tokens hold 18.5 GiB of float32 logits, as much again for their gradient)
+OUTPUT_CHUNK = 256
+
+
+def _output_in_chunks(asked, needs, limit, state, optimizer, make_step, batch, grad_accum) -> str | None:
+    """``--override output_chunk=N (X GiB)`` where the step under the policy asked (``none`` for ``auto``) fits with its
+    output layer taken in chunks; compiled only where the float32 logits and their gradient could make up what is
+    missing."""
+    config = state.model.config
+    rows, seq = batch.tokens.shape
+    chunk = min(OUTPUT_CHUNK, max(1, seq // 8))
+    remat = asked if asked != "auto" else "none"
+    logits = 8 * rows // grad_accum * seq * config.vocab_size
+    if config.output_chunk or chunk >= seq or logits < needs[remat].total - HEADROOM * limit:
+        return None
+    trial = under_remat(state, remat, optimizer, output_chunk=chunk)
+    step, need = compile_step(make_step(), batch, trial)
+    if step is None or need.total > HEADROOM * limit:
+        return None
+    policy = "" if asked != "auto" else "--remat none "
+    return f"{policy}--override output_chunk={chunk} ({need.total / GIB:.2f} GiB)"
