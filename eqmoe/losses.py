@@ -28,12 +28,20 @@ def next_token_losses(
     """Mean cross-entropy of predicting ``tokens[:, t + 1]`` from position ``t`` and mean
     ``logsumexp(logits)^2`` (the output z-loss), in float32, over the targets where ``target_mask`` is
     true (HF ``ForCausalLMLoss`` with ignore index -100)."""
-    logits = logits[:, :-1].astype(jnp.float32)
     keep = target_mask[:, 1:].astype(jnp.float32)
     count = jnp.maximum(keep.sum(), 1.0)
+    cross_entropy, z = _summed_losses(logits[:, :-1].astype(jnp.float32), tokens[:, 1:], keep)
+    return cross_entropy / count, z / count
+
+
+def _summed_losses(
+    logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"], keep: Float[Array, "batch seq"]
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The summed cross-entropy of ``targets`` and the summed ``logsumexp(logits)^2``, each position weighted by
+    ``keep``."""
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logits = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.sum((lse - target_logits) * keep) / count, jnp.sum(jnp.square(lse) * keep) / count
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse - target_logits) * keep), jnp.sum(jnp.square(lse) * keep)
 
 
 def next_token_losses_in_chunks(
@@ -66,13 +74,8 @@ def next_token_losses_in_chunks(
     def add(sums, part):
         states, chunk_targets, chunk_keep = part
         logits = parallel.constrain_activation(head(states), ("batch", "seq", "vocab")).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logits = jnp.take_along_axis(logits, chunk_targets[..., None], axis=-1)[..., 0]
-        cross_entropy, z = sums
-        return (
-            cross_entropy + jnp.sum((lse - target_logits) * chunk_keep),
-            z + jnp.sum(jnp.square(lse) * chunk_keep),
-        ), None
+        part_sums = _summed_losses(logits, chunk_targets, chunk_keep)
+        return (sums[0] + part_sums[0], sums[1] + part_sums[1]), None
 
     zero = jnp.zeros((), jnp.float32)
     (cross_entropy, z), _ = jax.lax.scan(add, (zero, zero), (chunks(hidden), chunks(targets), chunks(keep)))

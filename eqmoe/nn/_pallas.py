@@ -17,7 +17,10 @@ def operand_precision(dtype) -> contextlib.AbstractContextManager:
 
 def at_operand_precision(function, dtype):
     """``function`` with its forward and backward pass both traced at :func:`operand_precision` ``(dtype)``: a kernel's
-    own backward rule is traced when the gradient is taken, outside any ``with`` around the forward call."""
+    own backward rule is traced when the gradient is taken, outside any ``with`` around the forward call. For float32
+    operands, ``function`` itself."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return function
 
     @jax.custom_vjp
     def call(*args):
