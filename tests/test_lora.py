@@ -2,6 +2,7 @@
 against the merged-weight gradient (dL/dA = s dL/dW B^T, dL/dB = s A^T dL/dW)."""
 
 import dataclasses
+import zlib
 
 import equinox as eqx
 import jax
@@ -34,11 +35,12 @@ def _adapted(seed: int = 0):
     return model, adapted
 
 
-def _randomised_b(adapted):
+def _randomised_b(adapted, salt: int = 0):
     def randomise(path, leaf):
         name = jax.tree_util.keystr(path)
         if name.endswith("_b") or name.endswith(".b"):
-            return 0.1 * jax.random.normal(jax.random.key(hash(name) % 2**31), leaf.shape, leaf.dtype)
+            # crc32 rather than hash(): str hashes change with each process, and so would the test
+            return 0.1 * jax.random.normal(jax.random.key(zlib.crc32(name.encode()) + salt), leaf.shape, leaf.dtype)
         return leaf
 
     lora_nodes = lambda m: [x for x in jax.tree.leaves(m, is_leaf=lambda n: hasattr(n, "scale")) if hasattr(x, "scale")]  # noqa: E731,E501
@@ -129,6 +131,12 @@ def test_adapted_model_equals_numpy_merged_weights_and_merge_lora():
     np.testing.assert_allclose(_logits(merged, TOKENS), _logits(reference, TOKENS), atol=2e-5)
 
 
+def _assert_close_to_scale(got, want):
+    """float32 rounding of each entry scales with the tensor's largest terms, not its own size: over twelve seeds
+    here the adapter gradients differed by at most 4e-6 of the largest entry, and by 1.3e-5 on another CPU."""
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_adapter_gradients_equal_the_merged_weight_gradient_rederived():
     model, adapted = _adapted()
     adapted = _randomised_b(adapted)
@@ -153,17 +161,16 @@ def test_adapter_gradients_equal_the_merged_weight_gradient_rederived():
                         d_w_i = d_w[i].reshape(a_i.shape[0], b_i.shape[1])
                         d_a = np.asarray(lora_grads.a)[i].reshape(a_i.shape)
                         d_b = np.asarray(lora_grads.b)[i].reshape(b_i.shape)
-                        # float32 rounding of each entry scales with the tensor's largest terms, not its own size
                         want_a, want_b = SCALE * d_w_i @ b_i.T, SCALE * a_i.T @ d_w_i
-                        np.testing.assert_allclose(d_a, want_a, rtol=1e-4, atol=1e-5 * np.abs(want_a).max())
-                        np.testing.assert_allclose(d_b, want_b, rtol=1e-4, atol=1e-5 * np.abs(want_b).max())
+                        _assert_close_to_scale(d_a, want_a)
+                        _assert_close_to_scale(d_b, want_b)
                         checked += 1
             if hasattr(block.ffn, "router"):
                 d_w = np.asarray(merged_grads.segments[s].blocks[j].ffn.router.gate.weight, np.float64)
                 adapter, d_adapter = block.ffn.router.gate.adapter, grads.segments[s].blocks[j].ffn.router.gate.adapter
                 a, b = np.asarray(adapter.a, np.float64), np.asarray(adapter.b, np.float64)
-                np.testing.assert_allclose(d_adapter.a, SCALE * np.einsum("lio,lro->lir", d_w, b), rtol=1e-4, atol=1e-7)
-                np.testing.assert_allclose(d_adapter.b, SCALE * np.einsum("lir,lio->lro", a, d_w), rtol=1e-4, atol=1e-7)
+                _assert_close_to_scale(d_adapter.a, SCALE * np.einsum("lio,lro->lir", d_w, b))
+                _assert_close_to_scale(d_adapter.b, SCALE * np.einsum("lir,lio->lro", a, d_w))
                 checked += 1
     assert checked >= 8
 
