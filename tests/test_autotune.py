@@ -114,6 +114,24 @@ def test_eligibility_keeps_memory_in_the_order_of_the_best():
     assert workload.eligible("capacity", names) == "needs a capacity factor"
 
 
+def test_a_row_in_one_blockwise_tile_is_also_timed_in_two_and_the_winner_sets_the_tile(tmp_path, monkeypatch):
+    config = presets.get("qwen3-moe-micro")  # block_size 256
+    names = workloads.AttentionWorkload(config, rows=2, seq=128, training=True).candidates()
+    assert names[names.index("blockwise") + 1] == "blockwise[64]"
+    for seq in (130, 255):  # half a row, rounded up to a multiple of 8
+        assert f"blockwise[{-(-seq // 16) * 8}]" in workloads.AttentionWorkload(config, 2, seq, True).candidates()
+    for seq in (96, 257):  # half a row below the smallest tile timed; a row already in several tiles
+        assert not any("[" in n for n in workloads.AttentionWorkload(config, 2, seq, True).candidates())
+    monkeypatch.setenv(autotune.ENV, "measure")
+    seconds = {"blockwise[64]": 1e-3, "blockwise": 2e-3, "dense": 3e-3}
+    monkeypatch.setattr(timing, "time_calls", lambda function, arguments, best: seconds[function[0]])
+    monkeypatch.setattr(workloads.AttentionWorkload, "program", lambda self, label: ((label,), ()))  # nothing built
+    micro = dataclasses.replace(config, moe=dataclasses.replace(config.moe, dispatch="sorted"))
+    resolved = autotune.resolve(micro, rows=2, seq=128, cache=tmp_path / "a.json", report=lambda line: None)
+    assert resolved.choices == {"attention.backend": "blockwise", "attention.block_size": "64"}
+    assert resolved.config.attention.backend == "blockwise" and resolved.config.attention.block_size == 64
+
+
 def _pretrain(out_dir, steps, resume=False):
     return pretrain.Args(
         data=pretrain.DataOptions(seq_len=32, batch_size=2, chars_per_domain=3_000, eval_chars_per_domain=800),
