@@ -157,7 +157,7 @@ def start_config(options: ModelOptions) -> ModelConfig:
             ) from None
     else:
         config = presets.get(options.preset)
-    return config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat)
+    return options.execution(config)
 
 
 def _parameter_shapes(config: ModelConfig) -> list:
@@ -199,7 +199,8 @@ def model_config(options: ModelOptions, start: ModelConfig | None = None) -> Mod
     """The starting config (:func:`start_config`, or ``start`` when given) with ``--override`` applied; a loaded
     model's parameter shapes must stay as they are."""
     start = start_config(options) if start is None else start
-    config = options.with_dispatch(apply_overrides(start, dict(parse_override(text) for text in options.override)))
+    config = apply_overrides(start, dict(parse_override(text) for text in options.override))
+    config = options.with_dispatch(options.layer_loop(config))
     loaded_from = _loaded_from(options)
     if loaded_from is not None:
         _check_same_parameters(start, config, loaded_from)

@@ -55,6 +55,7 @@ from eqmoe.data import (
 from eqmoe.data.chat import message_text
 from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import add_lora, merge_lora
+from eqmoe.model import initialise
 from eqmoe.nn.fp8 import held_bytes
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -80,13 +81,13 @@ class ModelOptions(LoRAOptions, DispatchOption, StartOptions):
 
 
 def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
-    """``config`` with ``--override`` and the execution options (``--dtype``, ``--remat``, ``--dispatch``) and
-    float32 parameters."""
+    """``config`` with ``--override``, the execution options (``--dtype``, ``--remat``, ``--dispatch``, the layer
+    loop) and float32 parameters."""
     try:
         config = apply_overrides(config, dict(parse_override(text) for text in options.override))
     except ValueError as error:
         raise UsageError(f"--override: {error}") from None
-    return options.with_dispatch(config.replace(dtype=options.dtype, param_dtype="float32", remat=options.remat))
+    return options.with_dispatch(options.layer_loop(options.execution(config)))
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class DataOptions(ShapeOptions, TokenizerOptions):
 class RunOptions(loop.RunOptions):
     changeable_on_resume: ClassVar[frozenset[str]] = loop.RunOptions.changeable_on_resume | {"samples"}
 
-    steps: int = 2000
+    steps: int = 1600
     """Total optimizer steps of the run (a resumed run continues up to this)."""
     out_dir: Path = Path("runs/sft")
     samples: int = 4
@@ -176,7 +177,7 @@ def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> Sta
         model = model.with_config(config)
     else:
         config = execution_config(presets.get(options.preset), options)
-        model = Transformer(config, key=jax.random.key(seed))
+        model = initialise(config, key=jax.random.key(seed))
     return StartingModel(model, config, base, source)
 
 

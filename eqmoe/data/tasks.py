@@ -11,7 +11,7 @@ Five kinds, each a one-turn conversation ``[user, assistant]``:
 - ``"count"``: ``"How many a in banana?"`` -> ``"3"`` (a 3-7 letter word where the asked letter is
   frequent, so the counts spread over ``0..7``).
 
-The default set :data:`KINDS` leaves ``count`` out: in the SFT default's four-minute CPU budget the
+The default set :data:`KINDS` leaves ``count`` out: in the SFT default's budget of a few CPU minutes the
 ``qwen3-moe-micro`` model reaches ~99% on reverse and sort but only ~45% on counting, which is a task
 for a larger model or a longer run (pass ``kinds=ALL_KINDS``). :data:`TRAIN_MIX`, the SFT default's
 training cycle, draws addition twice as often as the others: with an even mix, whether the micro model
