@@ -264,10 +264,3 @@ class Transformer(Layer):
             return leaf
 
         return jax.tree.map(convert, self, is_leaf=is_block_fp8)  # a block-FP8 weight stays as held
-
-
-def initialise(config: ModelConfig, *, key: PRNGKeyArray) -> Transformer:
-    """``Transformer(config, key=key)`` built as one compiled program. Built eagerly, each of its random draws and
-    reshapes compiles a program of its own: qwen3-moe-micro took 5.5 s that way against 3.7 s here on 2 CPU cores.
-    The draws agree with the eager ones to float32 rounding (7e-9 there), not bit for bit."""
-    return eqx.filter_jit(Transformer)(config, key=key)

@@ -61,7 +61,7 @@ class StartOptions(DtypeOption, PresetOptions):
     # an --override that changes the architecture is refused by the resume itself, naming the fields; a starting
     # model that moved is checked by its content digest
     changeable_on_resume: ClassVar[frozenset[str]] = frozenset(
-        {"dtype", "remat", "unrolled_layers", "override", "init_from_hf", "init_from_checkpoint"}
+        {"dtype", "remat", "override", "init_from_hf", "init_from_checkpoint"}
     )
 
     init_from_hf: Path | None = None
@@ -75,27 +75,10 @@ class StartOptions(DtypeOption, PresetOptions):
     """What the backward pass recomputes to save memory: none; dots keeps matmul and kernel outputs; offload moves
     them to host memory; block recomputes each layer unit; auto: the least recomputation whose compiled step fits the
     device's memory."""
-    unrolled_layers: int = 4
-    """A model of at most this many layers runs them in a Python loop rather than one lax.scan (scan_layers false;
-    --override scan_layers=... decides instead): the quickstart's 4-layer train step took 80 rather than 88 ms on 2
-    CPU cores, filling and slicing no stacked buffers; a deeper model keeps one copy of its unit in the program. 0:
-    always scanned."""
 
     def execution(self, config):
         """``config`` with ``--dtype``, ``--remat`` and float32 parameters."""
         return config.replace(dtype=self.dtype, param_dtype="float32", remat=self.remat)
-
-    def layer_loop(self, config):
-        """``config`` (overrides applied) with its layers unrolled where there are at most ``--unrolled-layers`` of
-        them, unless an ``--override`` sets ``scan_layers``."""
-        from eqmoe.config_io import parse_override
-        from experiments._cli import UsageError
-
-        if self.unrolled_layers < 0:
-            raise UsageError(f"--unrolled-layers {self.unrolled_layers} is invalid; allowed: an integer >= 0")
-        if any(parse_override(text)[0] == "scan_layers" for text in self.override):
-            return config
-        return config.replace(scan_layers=len(config.layers) > self.unrolled_layers)
 
 
 @dataclass(frozen=True)

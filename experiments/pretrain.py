@@ -50,7 +50,6 @@ from eqmoe.data.corpus import (
     synthetic_documents,
 )
 from eqmoe.data.hub import resolve_folder
-from eqmoe.model import initialise
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -199,8 +198,7 @@ def model_config(options: ModelOptions, start: ModelConfig | None = None) -> Mod
     """The starting config (:func:`start_config`, or ``start`` when given) with ``--override`` applied; a loaded
     model's parameter shapes must stay as they are."""
     start = start_config(options) if start is None else start
-    config = apply_overrides(start, dict(parse_override(text) for text in options.override))
-    config = options.with_dispatch(options.layer_loop(config))
+    config = options.with_dispatch(apply_overrides(start, dict(parse_override(text) for text in options.override)))
     loaded_from = _loaded_from(options)
     if loaded_from is not None:
         _check_same_parameters(start, config, loaded_from)
@@ -214,7 +212,7 @@ def starting_model(options: ModelOptions, config: ModelConfig, seed: int) -> Tra
     from eqmoe.lora import merge_lora
 
     if _loaded_from(options) is None:
-        return initialise(config, key=jax.random.key(seed))
+        return Transformer(config, key=jax.random.key(seed))
     if options.init_from_hf is not None:
         model = hf.load(options.init_from_hf, dtype="float32")
     else:

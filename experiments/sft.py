@@ -55,7 +55,6 @@ from eqmoe.data import (
 from eqmoe.data.chat import message_text
 from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import add_lora, merge_lora
-from eqmoe.model import initialise
 from eqmoe.nn.fp8 import held_bytes
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -81,13 +80,13 @@ class ModelOptions(LoRAOptions, DispatchOption, StartOptions):
 
 
 def execution_config(config: ModelConfig, options: ModelOptions) -> ModelConfig:
-    """``config`` with ``--override``, the execution options (``--dtype``, ``--remat``, ``--dispatch``, the layer
-    loop) and float32 parameters."""
+    """``config`` with ``--override`` and the execution options (``--dtype``, ``--remat``, ``--dispatch``) and
+    float32 parameters."""
     try:
         config = apply_overrides(config, dict(parse_override(text) for text in options.override))
     except ValueError as error:
         raise UsageError(f"--override: {error}") from None
-    return options.with_dispatch(options.layer_loop(options.execution(config)))
+    return options.with_dispatch(options.execution(config))
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> Sta
         model = model.with_config(config)
     else:
         config = execution_config(presets.get(options.preset), options)
-        model = initialise(config, key=jax.random.key(seed))
+        model = Transformer(config, key=jax.random.key(seed))
     return StartingModel(model, config, base, source)
 
 

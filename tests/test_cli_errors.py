@@ -16,7 +16,6 @@ CASES = [
     ("pretrain", ["--override", "moe.router.top_k=0"], "top_k=0"),
     ("pretrain", ["--mesh", "data=3"], "mesh spec 'data=3'"),
     ("pretrain", ["--dispatch", "fast"], "--dispatch: MoEConfig.dispatch='fast' is invalid"),
-    ("pretrain", ["--unrolled-layers", "-1"], "--unrolled-layers -1 is invalid"),
     ("ablate", ["--variants", "nope"], "unknown variant(s) nope"),
     ("convert", ["--hf", "{tmp}/missing", "--out", "{tmp}/out"], "missing"),
     ("generate", ["--hf", "{tmp}/missing", "--prompt", "hi"], "missing"),

@@ -86,16 +86,3 @@ def test_override_works_wherever_a_model_is_built(capsys):
     assert plan.main(plan.Args(override=("moe.router.top_kk=1",), compile=False)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "top_kk" in err[0], err
-
-
-def test_a_shallow_model_runs_its_layers_unrolled_a_deeper_one_scanned_and_an_override_decides():
-    from experiments import pretrain, sft
-
-    micro = sft.ModelOptions()  # qwen3-moe-micro: 4 layers
-    assert not sft.execution_config(micro.preset_config(), micro).scan_layers
-    assert not pretrain.model_config(pretrain.ModelOptions()).scan_layers
-    deeper = sft.ModelOptions(override=('layers=["moe", "moe", "moe", "moe", "moe"]',))
-    assert sft.execution_config(deeper.preset_config(), deeper).scan_layers  # the preset's 4 layers, then 5
-    for given in (sft.ModelOptions(unrolled_layers=0), sft.ModelOptions(override=("scan_layers=true",))):
-        assert sft.execution_config(given.preset_config(), given).scan_layers
-    assert pretrain.model_config(pretrain.ModelOptions(unrolled_layers=0)).scan_layers
