@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, the TPU bench rows,
 # the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. On one v5e chip
-# (2026-12-07) the parts took: install 45-48 s, quickstart 138 s, the refused step 281 s (auto timing and compiling each
-# remat policy), bench about 290 s a row, plan 66-80 s a preset, the tests over 600 s (32 of them in 404 s: each
-# compiles its own programs); the whole check does not yet fit in 10 minutes.
+# (2026-12-07) the parts took: install 45-48 s, quickstart 138 s, the refused step 209-281 s (auto timing the kernels and
+# compiling each remat policy) and then --remat auto 109 s, bench 230-290 s a row (Qwen3-Next's over 300 s), plan 66-80 s
+# a preset, the tests over 600 s (32 of them in 404 s, tests/test_gpt_oss.py's 29 in 155 s: each compiles its own
+# programs); the whole check does not yet fit in 10 minutes.
 #
 #     bash experiments/tpu_check.sh                   # every part
 #     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
