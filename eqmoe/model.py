@@ -264,17 +264,3 @@ class Transformer(Layer):
             return leaf
 
         return jax.tree.map(convert, self, is_leaf=is_block_fp8)  # a block-FP8 weight stays as held
-
-
-# XLA:CPU without its LLVM optimisation passes and with its older loop emitters: a program that runs once is built
-# several times faster and its one run costs about as much (the test suite sets the same two flags process-wide,
-# tests/conftest.py). Other backends keep their defaults.
-_ONE_RUN_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
-def initialise(config: ModelConfig, *, key: PRNGKeyArray) -> Transformer:
-    """``Transformer(config, key=key)`` built as one compiled program. Built eagerly, each random draw of a new shape
-    compiles a program of its own: qwen3-moe-micro took 5.8-6.3 s that way against 0.8 s here on 2 CPU cores. The
-    draws agree with the eager ones to float32 rounding (at most 2.4e-7 on the presets tried), not bit for bit."""
-    options = _ONE_RUN_CPU_OPTIONS if jax.default_backend() == "cpu" else None
-    return eqx.filter_jit(Transformer, compiler_options=options)(config, key=key)

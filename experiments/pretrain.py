@@ -50,7 +50,6 @@ from eqmoe.data.corpus import (
     synthetic_documents,
 )
 from eqmoe.data.hub import resolve_folder
-from eqmoe.model import initialise
 from eqmoe.registries import check_names
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -213,7 +212,7 @@ def starting_model(options: ModelOptions, config: ModelConfig, seed: int) -> Tra
     from eqmoe.lora import merge_lora
 
     if _loaded_from(options) is None:
-        return initialise(config, key=jax.random.key(seed))
+        return Transformer(config, key=jax.random.key(seed))
     if options.init_from_hf is not None:
         model = hf.load(options.init_from_hf, dtype="float32")
     else:

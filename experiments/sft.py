@@ -55,7 +55,6 @@ from eqmoe.data import (
 from eqmoe.data.chat import message_text
 from eqmoe.data.hub import resolve_folder
 from eqmoe.lora import add_lora, merge_lora
-from eqmoe.model import initialise
 from eqmoe.nn.fp8 import held_bytes
 from eqmoe.train import loop
 from eqmoe.train.logging import plot_metrics, write_json_atomic
@@ -177,7 +176,7 @@ def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> Sta
         model = model.with_config(config)
     else:
         config = execution_config(presets.get(options.preset), options)
-        model = initialise(config, key=jax.random.key(seed))
+        model = Transformer(config, key=jax.random.key(seed))
     return StartingModel(model, config, base, source)
 
 
