@@ -154,8 +154,10 @@ def _train_row(config, batch: int, steps: int, traced_steps: int = 0, peak: floa
     from eqmoe.train.state import init_state
     from eqmoe.train.step import Batch, make_train_step
 
+    started = time.perf_counter()
     resolved = autotune.resolve(config.replace(remat="auto"), batch, SEQ)
     config = resolved.config
+    auto_seconds = time.perf_counter() - started
     model = Transformer(config, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_array)
     optimizer, schedule = make_optimizer(OptimizerConfig(warmup_steps=1), params, embed_dim=config.embed_dim)
@@ -198,6 +200,7 @@ def _train_row(config, batch: int, steps: int, traced_steps: int = 0, peak: floa
         "tokens_per_second": batch * SEQ / seconds,
         "model_tflops": model_flops / seconds / 1e12,
         "loss": float(np.asarray(terms["loss"])),
+        "auto_s": auto_seconds,
         "compile_s": compile_seconds,
         "config": config,
     }
@@ -356,12 +359,16 @@ def main(args: Args) -> None:
     for name in args.rows:
         config = configs[name].replace(output_chunk=args.output_chunk)
         print(f"== {name}", file=sys.stderr)
+        started = time.perf_counter()
         try:
             row = _train_row(config, args.batch_size, args.steps, args.profile, peak)
             row["mfu"] = row["model_tflops"] / peak
             used = row.pop("config")
+            ceilings_started = time.perf_counter()
             row["attention"] = _attention_ceiling(used, args.batch_size)
             row["moe"] = _moe_ceiling(used, args.batch_size)
+            row["ceilings_s"] = time.perf_counter() - ceilings_started
+            row["row_s"] = time.perf_counter() - started
         except Exception as error:  # a row that fails is a result: its line says why, the others still run
             row = {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"}
         row["row"] = name
@@ -391,6 +398,8 @@ def _line(row: dict) -> str:
         f"\n            gmm tiles {m['tiles']}: products {m['products_ms']:.1f} ms ({m['products_over_best']:.2f}x the"
         f" best {m['best_tiles']} {m['best_products_ms']:.1f} ms, {m['best_products_tflops']:.0f} TFLOP/s);"
         f" MoE layer {m['layer_ms']:.1f} ms ({m['layer_over_products']:.2f}x its products)"
+        f"\n            seconds: auto {row['auto_s']:.0f}, remat and step compile {row['compile_s']:.0f},"
+        f" ceilings {row['ceilings_s']:.0f}, row {row['row_s']:.0f}"
     )
     return text
 

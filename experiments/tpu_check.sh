@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, the TPU bench rows,
-# the quickstart, the memory fit and the planner against the chip's compiled memory; then one table. On one v5e chip
-# (2026-12-07) the parts took: install 45-48 s, quickstart 138 s, the refused step 209-281 s (auto timing the kernels and
-# compiling each remat policy) and then --remat auto 109 s, bench 230-290 s a row (Qwen3-Next's over 300 s), plan 66-80 s
-# a preset, the tests over 600 s (32 of them in 404 s, tests/test_gpt_oss.py's 29 in 155 s: each compiles its own
-# programs); the whole check does not yet fit in 10 minutes.
+# Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, a TPU bench row and
+# the quickstart; then one table. Two more parts on request: the memory fit (a step that does not fit, then the same
+# with --remat auto) and the planner against the chip's compiled memory. On one v5e chip (2026-12-07) the parts took:
+# install 45-48 s, the kernel tests 75 s and the Qwen3 parity tests about 60 s (each compiles its own programs), the
+# mixtral bench row 226 s (auto timing the kernels 78 s, the remat policies and step compiled 44 s, the ceilings 51 s),
+# the quickstart 138 s: about 9 minutes for the default parts. Every bench row takes 200-300 s there (Qwen3-Next's over
+# 300 s), so all five do not fit in the same 10 minutes: TPU_CHECK_BENCH_FLAGS="--rows mixtral qwen3 deepseek gpt_oss
+# qwen3_next" runs them (about 20 minutes); the fit part takes 209-281 s and then 109 s, the plan part 70-90 s a preset.
 #
-#     bash experiments/tpu_check.sh                   # every part
+#     bash experiments/tpu_check.sh                   # install tests bench quickstart
 #     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
 #     TPU_CHECK_PART_SECONDS=240 bash experiments/tpu_check.sh tests   # each part stopped after 240 s (its log kept)
+#     TPU_CHECK_SECONDS=600 bash experiments/tpu_check.sh   # the whole check stopped after 600 s, its table still printed
+#     TPU_CHECK_TESTS="tests/test_gpt_oss.py" bash experiments/tpu_check.sh tests   # other test files on the chip
 #
 # A machine without internet installs from wheels in .whl/ (and its own package index where pip is pointed at one:
 # PIP_INDEX_URL; TPU_CHECK_TORCH=0 leaves out torch, which only the parity tests' reference needs); the machine's JAX
@@ -16,10 +20,10 @@
 # the parity tests need transformers 5.25, which needs huggingface_hub 2.4 or later):
 #     pip download --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
 #         --platform manylinux2014_x86_64 -d .whl equinox tyro beartype tiktoken tensorboardX "transformers==5.25.0" accelerate
-# TPU_CHECK_BENCH_FLAGS adds flags to bench_tpu (e.g. --rows mixtral qwen3). Logs, JSON and the table go under $OUT when it is set,
-# else under a new temporary folder named at the end. One program holds the chip at a time, so everything runs in
-# turn and the tests in one process. auto's timings on the chip are copied beside the logs (auto_backends.json); under
-# $EQMOE_CACHE on the next machine they spare timing the same shapes again.
+# TPU_CHECK_BENCH_FLAGS replaces the bench part's flags (default --rows mixtral). Logs, JSON and the table go under
+# $OUT when it is set, else under a new temporary folder named at the end. One program holds the chip at a time, so
+# everything runs in turn and the tests in one process. auto's timings on the chip are copied beside the logs
+# (auto_backends.json); under $EQMOE_CACHE on the next machine they spare timing the same shapes again.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,7 +35,7 @@ export PYTHONUNBUFFERED=1
 # compile the same policies; a rerun compiles nothing it compiled before)
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/eqmoe-jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
-parts=${*:-install tests bench quickstart fit plan}
+parts=${*:-install tests bench quickstart}
 for part in $parts; do
     case $part in install | tests | bench | quickstart | fit | plan) ;;
     *) echo "tpu_check: unknown part '$part'; allowed: install tests bench quickstart fit plan" >&2 && exit 2 ;;
@@ -39,14 +43,20 @@ for part in $parts; do
 done
 declare -a table=()
 row() { table+=("| $1 | $2 | $3 |"); }
-limit=()
-[ -n "${TPU_CHECK_PART_SECONDS:-}" ] && limit=(timeout --signal=TERM --kill-after=10 "$TPU_CHECK_PART_SECONDS")
-timed() { # name, command...: run it (under the part's time limit), log it, remember its status and seconds
-    local name=$1 started=$SECONDS status
+timed() { # name, command...: run it under the part's limit and what is left of the check's, log it, its status and seconds
+    local name=$1 started=$SECONDS status seconds=${TPU_CHECK_PART_SECONDS:-}
     shift
+    if [ -n "${TPU_CHECK_SECONDS:-}" ]; then  # the whole check's limit: a part gets what is left of it
+        local left=$((TPU_CHECK_SECONDS - SECONDS - 15))  # 15 s kept for the table
+        [ $left -lt 10 ] && echo "(not run: the check's TPU_CHECK_SECONDS=$TPU_CHECK_SECONDS were spent)" >"$out/$name.log" \
+            && echo "$name: not run, TPU_CHECK_SECONDS spent" >&2 && return 124
+        [ -z "$seconds" ] || [ "$left" -lt "$seconds" ] && seconds=$left
+    fi
+    local limit=()
+    [ -n "$seconds" ] && limit=(timeout --signal=TERM --kill-after=10 "$seconds")
     "${limit[@]}" "$@" >"$out/$name.log" 2>&1
     status=$?
-    [ $status = 124 ] && printf '\n(stopped at TPU_CHECK_PART_SECONDS=%s)\n' "$TPU_CHECK_PART_SECONDS" >>"$out/$name.log"
+    [ $status = 124 ] && printf '\n(stopped after %s s: TPU_CHECK_PART_SECONDS or TPU_CHECK_SECONDS)\n' "$seconds" >>"$out/$name.log"
     echo "$name: exit $status in $((SECONDS - started)) s (log: $out/$name.log)" >&2
     return $status
 }
@@ -92,9 +102,8 @@ tests_part() { # the kernels on the chip, then the parity tests with the chip's 
     # -v: each test's verdict as it ends, so a log cut by the time limit still names what failed
     # shellcheck disable=SC2086  # TPU_CHECK_TESTS: a list of test files
     # EQMOE_FAILURES_AT_ONCE: each failure's message as the test ends (tests/conftest.py), kept by a cut log too
-    EQMOE_FAILURES_AT_ONCE=3000 timed tests "$python" -m pytest -p no:cacheprovider -n 0 -v --tb=short -rfE -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py \
-        tests/test_attention.py tests/test_stack_and_dispatch.py tests/test_qwen3_parity.py tests/test_mixtral.py \
-        tests/test_deepseek.py tests/test_gpt_oss.py tests/test_grad_accum.py}
+    EQMOE_FAILURES_AT_ONCE=3000 timed tests "$python" -m pytest -p no:cacheprovider -n 0 -v -o console_output_style=times \
+        --tb=short -rfE -m "not slow" ${TPU_CHECK_TESTS:-tests/test_tpu_kernels.py tests/test_qwen3_parity.py}
     local status=$?
     local counts
     counts=$(grep -cE " PASSED( |$)" "$out/tests.log")" passed, "$(grep -cE " FAILED( |$)" "$out/tests.log")" failed, "
@@ -104,7 +113,7 @@ tests_part() { # the kernels on the chip, then the parity tests with the chip's 
 
 bench_part() {
     # shellcheck disable=SC2086  # extra flags, e.g. --rows mixtral qwen3
-    timed bench "$python" -m experiments.bench_tpu --json-out "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:-}
+    timed bench "$python" -m experiments.bench_tpu --json-out "$out/bench_tpu.json" ${TPU_CHECK_BENCH_FLAGS:---rows mixtral}
     row "bench_tpu" "exit $?" "see below"
 }
 
@@ -164,6 +173,7 @@ for part in $parts; do
     on_path  # after install, the installed folder
 done
 
+row "whole check" "-" "$SECONDS s for: $parts"
 {
     echo "## tpu_check on $backend"
     echo
