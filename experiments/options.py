@@ -61,7 +61,7 @@ class StartOptions(DtypeOption, PresetOptions):
     # an --override that changes the architecture is refused by the resume itself, naming the fields; a starting
     # model that moved is checked by its content digest
     changeable_on_resume: ClassVar[frozenset[str]] = frozenset(
-        {"dtype", "remat", "override", "init_from_hf", "init_from_checkpoint"}
+        {"dtype", "remat", "scan_unroll", "override", "init_from_hf", "init_from_checkpoint"}
     )
 
     init_from_hf: Path | None = None
@@ -75,10 +75,13 @@ class StartOptions(DtypeOption, PresetOptions):
     """What the backward pass recomputes to save memory: none; dots keeps matmul and kernel outputs; offload moves
     them to host memory; block recomputes each layer unit; auto: the least recomputation whose compiled step fits the
     device's memory."""
+    scan_unroll: int = 4
+    """A stack of layers repeating its unit at most this many times runs unrolled in its scan (ModelConfig.scan_unroll:
+    the same numbers; on a CPU a shallow model's step is faster); deeper ones scan one unit at a time."""
 
     def execution(self, config):
-        """``config`` with ``--dtype``, ``--remat`` and float32 parameters."""
-        return config.replace(dtype=self.dtype, param_dtype="float32", remat=self.remat)
+        """``config`` with ``--dtype``, ``--remat``, ``--scan-unroll`` and float32 parameters."""
+        return config.replace(dtype=self.dtype, param_dtype="float32", remat=self.remat, scan_unroll=self.scan_unroll)
 
 
 @dataclass(frozen=True)

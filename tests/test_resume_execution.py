@@ -29,6 +29,7 @@ def test_every_field_declares_its_kind_where_it_is_defined():
     assert [f.name for f in dataclasses.fields(ModelConfig) if field_kind(ModelConfig, f.name) == "execution"] == [
         "dtype",
         "scan_layers",
+        "scan_unroll",
         "remat",
         "mtp_layers_declared",  # what a config.json declared beyond the layers its folder holds
         "output_chunk",
@@ -48,6 +49,7 @@ def test_architecture_differences_skip_execution_and_objective_fields():
             "remat": "block",
             "dtype": "bfloat16",
             "scan_layers": False,
+            "scan_unroll": 4,
             "output_chunk": 8,
             "moe.dispatch": "dense",
             "moe.block_size": 16,

@@ -54,6 +54,26 @@ def test_scanned_and_unrolled_stacks_agree(remat):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_a_stack_unrolled_in_its_scan_computes_what_the_scan_computes():
+    """scan_unroll at least the stack's repeats runs them all in one scan iteration (what sft and pretrain do for a
+    shallow model): the same logits and gradients; a deeper stack is still scanned one repeat at a time."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, SMALL.vocab_size)
+    scanned = Transformer(SMALL, key=jax.random.key(0))
+    depth = scanned.segments[0].repeats  # a unit of two layers, twice
+    unrolled = Transformer(SMALL.replace(scan_unroll=depth), key=jax.random.key(0))
+    deeper = Transformer(SMALL.replace(scan_unroll=depth - 1), key=jax.random.key(0))
+    assert [s.unroll for s in scanned.segments] == [1] and [s.unroll for s in unrolled.segments] == [depth]
+    assert [s.unroll for s in deeper.segments] == [1]
+    logits = [eqx.filter_jit(model)(tokens).logits for model in (scanned, unrolled)]
+    np.testing.assert_allclose(*logits, atol=1e-6)
+    (loss_s, grads_s), (loss_u, grads_u) = _loss_and_grads(scanned, tokens), _loss_and_grads(unrolled, tokens)
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads_u), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="scan_unroll"):
+        SMALL.replace(scan_unroll=0)
+
+
 def test_the_unrolled_gradient_of_a_stacked_parameter_is_one_stack():
     """Unrolled, each stacked parameter's gradient is its layers' gradients stacked once, not each layer's padded
     into a zero-filled stack and the stacks added (on 2 CPU cores that made a 4-layer train step 8-9% slower)."""

@@ -15,7 +15,7 @@ from eqmoe.nn import splash
 from eqmoe.nn._init import Init
 from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
-from eqmoe.nn.stack import REMAT_POLICIES
+from eqmoe.nn.stack import REMAT_POLICIES, unroll_of
 from eqmoe.registries import ATTENTION_BACKENDS, DISPATCH_BACKENDS
 
 MEMORY_FACTOR = 4.0
@@ -65,22 +65,27 @@ def as_layers(apply, config: ModelConfig):
         policy = REMAT_POLICIES.get(config.remat)
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy)
-        if config.scan_layers:
-            return jax.lax.scan(layer, None, params)[1]
         count = len(jax.tree.leaves(params)[0])
+        if config.scan_layers:
+            return jax.lax.scan(layer, None, params, unroll=unroll_of(count, config))[1]
         return jnp.stack([layer(None, jax.tree.map(lambda x, i=i: x[i], params))[1] for i in range(count)])
 
     return run
 
 
 def _layers_text(config: ModelConfig) -> str:
-    how = "scanned" if config.scan_layers else "unrolled"
+    how = ("scanned" if unroll_of(LAYERS, config) == 1 else "scanned, unrolled") if config.scan_layers else "unrolled"
     return f"{LAYERS} {how} layers" + (f", remat {config.remat}" if REMAT_POLICIES.get(config.remat) else "")
 
 
 def _layers_key(config: ModelConfig) -> dict:
     """How the timed layers ran, in the cache key: a choice measured another way is measured again."""
-    return {"layers": LAYERS, "scan_layers": config.scan_layers, "remat": config.remat}
+    return {
+        "layers": LAYERS,
+        "scan_layers": config.scan_layers,
+        "scan_unroll": unroll_of(LAYERS, config),
+        "remat": config.remat,
+    }
 
 
 def _loss_and_grads(apply, training: bool):

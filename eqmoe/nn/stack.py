@@ -59,6 +59,13 @@ def _unstack_backward(_, gradients):
 _unstack.defvjp(_unstack_forward, _unstack_backward)
 
 
+def unroll_of(repeats: int, config: ModelConfig) -> int:
+    """The repeats a scan runs per iteration: all of them for a stack of at most ``config.scan_unroll`` without
+    recomputation, else one (unrolled, a recomputing policy's step kept more than the policy keeps: XLA can reuse
+    the forward values the recomputation was to replace)."""
+    return repeats if repeats <= config.scan_unroll and REMAT_POLICIES.get(config.remat) is None else 1
+
+
 class RepeatedUnit(Layer):
     """``repeats`` copies of a unit of blocks; every array leaf carries a leading ``repeats`` axis.
 
@@ -74,6 +81,7 @@ class RepeatedUnit(Layer):
     blocks: tuple[Block, ...]
     repeats: int = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
+    unroll: int = eqx.field(static=True)
     remat: str = eqx.field(static=True)
 
     def __init__(self, segment: Segment, config: ModelConfig, *, key: PRNGKeyArray):
@@ -84,6 +92,7 @@ class RepeatedUnit(Layer):
         self.blocks = eqx.filter_vmap(make_unit)(jax.random.split(key, segment.repeats))
         self.repeats = segment.repeats
         self.scan = config.scan_layers
+        self.unroll = unroll_of(segment.repeats, config)
         self.remat = config.remat
 
     def __call__(
@@ -116,7 +125,7 @@ class RepeatedUnit(Layer):
         if policy is not None:
             run_unit = jax.checkpoint(run_unit, policy=policy)
         if self.scan:
-            x, (routings, cache) = jax.lax.scan(run_unit, x, (params, cache, keys))
+            x, (routings, cache) = jax.lax.scan(run_unit, x, (params, cache, keys), unroll=self.unroll)
         else:
             leaves, tree = jax.tree.flatten((params, cache, keys))
             sliced = [_unstack(leaf) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf for leaf in leaves]
