@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from eqmoe.train.tracking import TrackerOptions
-from experiments.options import EvalOptions, MeshOptions
+from experiments.options import EvalOptions, MeshOptions, StartOptions
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ _OPTIONAL_INPUTS = {
     "override": (),
     "dtype": "float32",
     "remat": "none",
+    "scan_unroll": StartOptions.scan_unroll,  # how the layers' scan runs: the same numbers
     "match": "tokens",
 }
 
