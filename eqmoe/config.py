@@ -156,9 +156,10 @@ class ModelConfig:
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the parameters.
     ``scan_layers=False`` unrolls each segment into a Python loop (same numbers, a program and compile time that grow
     with the depth; on a CPU a shallow model's train step is faster, its forward pass slower: README).
-    ``scan_unroll``: a segment of at most this many repeats runs all of them in one iteration of its ``lax.scan``
-    (``unroll``), a longer one one repeat at a time: the same numbers and the same remat policies, a program of at
-    most that many units (the quickstart's 4 layers on 2 CPU cores: about 16% more tokens/s, no longer to compile).
+    ``scan_unroll``: a segment of at most this many repeats, run without recomputation, runs all of them in one
+    iteration of its ``lax.scan`` (``unroll``), a longer one (or one under a recomputing ``remat``) one repeat at a
+    time: the same numbers, a program of at most that many units (the quickstart's 4 layers on 2 CPU cores: a 9-16%
+    faster step, no longer to compile; :func:`eqmoe.nn.stack.unroll_of`).
     ``remat`` says what the backward pass recomputes (:data:`eqmoe.nn.stack.REMAT_POLICIES`): ``"none"`` keeps every
     activation; ``"dots"`` keeps the matmul and kernel outputs (projections, attention, experts) and recomputes the
     cheap elementwise work between them; ``"offload"`` moves those outputs to host memory and back; ``"block"``
