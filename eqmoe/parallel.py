@@ -324,13 +324,39 @@ def replicated_batch(rows: np.ndarray, parallelism: Parallelism | None, logical:
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
 
 
+def drawn_on_host(make: Callable[[], Any]) -> Any:
+    """``make()`` (a model's initialisation) run on the host's CPU, its arrays then put on the default device. An
+    accelerator compiles each eager operation as a program of its own (a TPU spent 10 of the quickstart's 14 s of
+    building its model compiling some fifty), a CPU runs them at once; and a seed draws the same parameters on every
+    kind of device."""
+    if jax.default_backend() == "cpu":
+        return make()
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS names no cpu
+        return make()
+    with jax.default_device(cpu):
+        made = make()
+
+    def put(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.device_put(leaf, jax.devices()[0])
+        return jax.device_put(np.asarray(leaf))  # uncommitted, on the default device, as an eager draw there was
+
+    return jax.tree.map(put, made)
+
+
 def to_host(tree: Any) -> Any:
     """Every array leaf as NumPy. A value replicated over processes (a loss, router statistics) is read
-    from this process's copy, so every process can log it."""
+    from this process's copy, so every process can log it. All leaves are copied in one go (``jax.device_get``
+    starts every copy before waiting on any): read one by one, a step's 22 terms cost 10 ms on a TPU, 16 s of
+    the 1,600-step quickstart."""
 
-    def host(leaf):
+    def local(leaf):
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return np.asarray(leaf.addressable_data(0))
-        return np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf
+            return leaf.addressable_data(0)
+        return leaf
 
-    return jax.tree.map(host, tree)
+    return jax.device_get(jax.tree.map(local, tree))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, presets
+from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis.evaluate import plot_domain_routing, routing_metrics
 from eqmoe.checkpoints.orbax import Checkpointer
 from eqmoe.checkpoints.run_metadata import RunMetadata
@@ -212,7 +212,7 @@ def starting_model(options: ModelOptions, config: ModelConfig, seed: int) -> Tra
     from eqmoe.lora import merge_lora
 
     if _loaded_from(options) is None:
-        return Transformer(config, key=jax.random.key(seed))
+        return parallel.drawn_on_host(lambda: Transformer(config, key=jax.random.key(seed)))
     if options.init_from_hf is not None:
         model = hf.load(options.init_from_hf, dtype="float32")
     else:

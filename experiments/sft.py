@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from eqmoe import Transformer, presets
+from eqmoe import Transformer, parallel, presets
 from eqmoe.analysis.evaluate import chat_metrics
 from eqmoe.checkpoints import hf, quantized
 from eqmoe.checkpoints.base import BaseModel, identify
@@ -176,7 +176,7 @@ def _model_and_config(options: ModelOptions, seed: int, parallelism=None) -> Sta
         model = model.with_config(config)
     else:
         config = execution_config(presets.get(options.preset), options)
-        model = Transformer(config, key=jax.random.key(seed))
+        model = parallel.drawn_on_host(lambda: Transformer(config, key=jax.random.key(seed)))
     return StartingModel(model, config, base, source)
 
 
