@@ -6,6 +6,8 @@ its own), megablox's grouped matmul against ``jax.lax.ragged_dot`` and the ``gmm
 On a TPU the same tests run on the chip (``experiments/tpu_check.sh``); float32 products there are compared at
 ``highest`` precision."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -244,11 +246,14 @@ def test_auto_times_the_kernels_at_each_tiling_on_a_tpu_and_records_the_tiling(m
 
     config = presets.get("qwen3-moe-micro")
     monkeypatch.setattr(timing.jax, "default_backend", lambda: "tpu")
-    dispatch = workloads.DispatchWorkload(config, 2048, True)
-    labels = dispatch.candidates()
-    assert [label for label in labels if label.startswith("gmm")] == [
+    wide = config.replace(embed_dim=1024, moe=dataclasses.replace(config.moe, expert_dim=3584))
+    assert [label for label in workloads.DispatchWorkload(wide, 2048, True).candidates() if "[" in label] == [
         timing.label("gmm", tiles) for tiles in workloads.GMM_TILES
     ]
+    # the micro preset's experts (64 -> 64): every tile shrinks to 64, so the tilings differ only in their rows
+    dispatch = workloads.DispatchWorkload(config, 2048, True)
+    labels = dispatch.candidates()
+    assert [label for label in labels if label.startswith("gmm")] == ["gmm[512,1024,1024]", "gmm[1024,512,512]"]
     assert dispatch.eligible(labels[-1], labels) is None
     attention = workloads.AttentionWorkload(config, 2, 1024, True)
     assert [label for label in attention.candidates() if label.startswith("splash")] == [

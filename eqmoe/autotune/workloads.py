@@ -11,7 +11,7 @@ import numpy as np
 
 from eqmoe.autotune.timing import Workload, at_settings, label, off_platform, unlabel
 from eqmoe.config import ModelConfig
-from eqmoe.nn import splash
+from eqmoe.nn import megablox, splash
 from eqmoe.nn._init import Init
 from eqmoe.nn.context import attention_mask
 from eqmoe.nn.moe import MoE
@@ -131,8 +131,18 @@ class DispatchWorkload(Workload):
     def candidates(self) -> tuple[str, ...]:
         names = DISPATCH_BACKENDS.names()
         if "gmm" in names and off_platform(DISPATCH_BACKENDS.get("gmm").platforms) is None:
-            return at_settings(names, "gmm", GMM_TILES)
+            return at_settings(names, "gmm", self._distinct_tiles())
         return names
+
+    def _distinct_tiles(self) -> tuple[tuple[int, int, int], ...]:
+        """:data:`GMM_TILES` less those that run as an earlier one does at this layer's shapes (the same program
+        compiled and timed twice)."""
+        moe = self.config.moe
+        slots, widths = self.tokens * moe.router.top_k, (self.config.embed_dim, moe.expert_dim)
+        first: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        for tiles in GMM_TILES:
+            first.setdefault(megablox.kernel_tiles(slots, widths, tiles), tiles)
+        return tuple(first.values())
 
     def eligible(self, label: str, candidates: tuple[str, ...]) -> str | None:
         name, _ = unlabel(label)

@@ -53,6 +53,13 @@ def padded_rows(rows: int, tiles: Tiles) -> int:
     return -(-rows // tile) * tile
 
 
+def kernel_tiles(rows: int, dims: tuple[int, ...], tiles: Tiles) -> tuple[int, ...]:
+    """The tiles the kernel runs at for ``rows`` sorted rows and products between widths ``dims`` (either side of
+    each): the row tile, then each width's fitted tile as a product's input and as its output. Tilings alike here
+    are one program (on small experts every tile shrinks to the same widths)."""
+    return (row_tile(rows, tiles), *(_fit(d, tiles[1]) for d in dims), *(_fit(d, tiles[2]) for d in dims))
+
+
 def gmm(
     x: Float[Array, "rows fan_in"],
     w: Float[Array, "experts fan_in fan_out"],
