@@ -22,6 +22,7 @@ Beside each row, its ceilings, each timed forward + backward in the same process
 """
 
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -227,8 +228,27 @@ def _print_profile(step, data, state, calls: int, seconds: float, model_flops: f
     return holder[0]
 
 
-def _attention_ceiling(config, batch: int) -> dict | None:
-    """The bare splash kernel and eqmoe's ``splash`` backend, forward + backward, on the row's attention shapes."""
+def _ceilings(config, batch: int) -> tuple[dict | None, dict]:
+    """The row's ceilings (:func:`_attention_programs`, :func:`_moe_programs`): every program compiled side by side,
+    then each timed alone. A tiling the kernel refuses at these shapes is left out and named on stderr."""
+    from eqmoe.autotune.timing import compiled_side_by_side
+
+    attention = _attention_programs(config, batch)
+    moe, summarise_moe = _moe_programs(config, batch)
+    seconds = {}
+    for name, result in compiled_side_by_side({**attention, **moe}).items():
+        if isinstance(result, Exception):
+            if not name.startswith("products"):
+                raise result
+            print(f"  gmm {name}: {type(result).__name__}: {str(result)[:100]}", file=sys.stderr)
+            continue
+        seconds[name] = _timed(result[0], *result[1])
+    return (_attention_summary(config, batch, seconds) if attention else None), summarise_moe(seconds)
+
+
+def _attention_programs(config, batch: int) -> dict:
+    """The bare splash kernel and eqmoe's ``splash`` backend, forward + backward, on the row's attention shapes
+    (none where the row's attention is not splash)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
@@ -238,14 +258,8 @@ def _attention_ceiling(config, batch: int) -> dict | None:
 
     attention = config.attention
     if not any(kind.attention in ("gqa", "mla") for kind in config.layers) or attention.backend != "splash":
-        return None
-    latent = attention.latent
-    kv_heads = attention.num_heads if latent is not None else attention.num_kv_heads
-    group, qk, vd = (
-        attention.num_heads // kv_heads,
-        attention.head_dim,
-        latent.value_dim if latent else attention.head_dim,
-    )
+        return {}
+    kv_heads, group, qk, vd = _attention_shape(config)
     keys = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(keys[0], (batch, kv_heads, group, SEQ, qk), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, kv_heads, SEQ, qk), jnp.bfloat16)
@@ -269,10 +283,30 @@ def _attention_ceiling(config, batch: int) -> dict | None:
     segments = kernel_lib.SegmentIds(q=ones, kv=ones)
     flat_q = q.reshape(batch, kv_heads * group, SEQ, qk)
     bare = jax.jit(jax.grad(lambda q, k, v: loss(jax.vmap(kernel)(q, k, v, segments)), argnums=(0, 1, 2)))
-    causal_flops = 3.5 * 2 * batch * attention.num_heads * SEQ * (SEQ + 1) / 2 * (qk + vd)  # fwd 1, bwd 2.5
-    bare_s, backend_s = _timed(bare, flat_q, k, v), _timed(backend, q, k, v)
+    return {"splash bare": lambda: (bare, (flat_q, k, v)), "splash backend": lambda: (backend, (q, k, v))}
+
+
+def _attention_shape(config) -> tuple[int, int, int, int]:
+    """Key/value heads, queries per key/value head, query/key width, value width."""
+    attention = config.attention
+    latent = attention.latent
+    kv_heads = attention.num_heads if latent is not None else attention.num_kv_heads
+    return (
+        kv_heads,
+        attention.num_heads // kv_heads,
+        attention.head_dim,
+        latent.value_dim if latent else attention.head_dim,
+    )
+
+
+def _attention_summary(config, batch: int, seconds: dict) -> dict:
+    from eqmoe.nn import splash
+
+    _, _, qk, vd = _attention_shape(config)
+    bare_s, backend_s = seconds["splash bare"], seconds["splash backend"]
+    causal_flops = 3.5 * 2 * batch * config.attention.num_heads * SEQ * (SEQ + 1) / 2 * (qk + vd)  # fwd 1, bwd 2.5
     return {
-        "block": block,
+        "block": splash.block_for(SEQ, config.attention.block_size),
         "bare_ms": bare_s * 1e3,
         "backend_ms": backend_s * 1e3,
         "bare_tflops": causal_flops / bare_s / 1e12,
@@ -280,8 +314,9 @@ def _attention_ceiling(config, batch: int) -> dict | None:
     }
 
 
-def _moe_ceiling(config, batch: int) -> dict:
-    """The MoE layer at the row's tiles over its expert products alone, and those products at the best tiles."""
+def _moe_programs(config, batch: int):
+    """The MoE layer at the row's tiles, and its expert products alone at each of :data:`GMM_TILES` and the row's
+    own; with what makes the summary of their seconds (the layer over its products, those over the best tiles)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -302,17 +337,15 @@ def _moe_ceiling(config, batch: int) -> dict:
     def layer_loss(layer, x):
         return jnp.sum(layer(x)[0].astype(jnp.float32))
 
-    layer_s = _timed(eqx.filter_jit(eqx.filter_grad(layer_loss)), layer, x)
     sizes = jnp.full((experts,), rows // experts, jnp.int32)  # balanced groups, the products' own cost
     w_in = jax.random.normal(jax.random.key(6), (experts, d, f), jnp.bfloat16)
     w_out = jax.random.normal(jax.random.key(7), (experts, f, d), jnp.bfloat16)
+    interpret = jax.default_backend() not in megablox.PLATFORMS  # a try of the bench off the TPU
 
     def products(tiles):
         padded = megablox.padded_rows(rows, tiles)
         lhs = jax.random.normal(jax.random.key(8), (padded, d), jnp.bfloat16)
         fitted = lambda k, n: (megablox.row_tile(padded, tiles), megablox._fit(k, tiles[1]), megablox._fit(n, tiles[2]))  # noqa: E731
-
-        interpret = jax.default_backend() not in megablox.PLATFORMS  # a try of the bench off the TPU
 
         def loss(lhs, w_gate, w_up, w_down):
             gate = gmm(lhs, w_gate, sizes, jnp.bfloat16, fitted(d, f), interpret=interpret)
@@ -320,27 +353,29 @@ def _moe_ceiling(config, batch: int) -> dict:
             out = gmm(jax.nn.silu(gate) * up, w_down, sizes, jnp.bfloat16, fitted(f, d), interpret=interpret)
             return jnp.sum(out.astype(jnp.float32))
 
-        return _timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), lhs, w_in, w_in, w_out)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), (lhs, w_in, w_in, w_out)
 
-    by_tiles = {}
-    for tiles in dict.fromkeys((*GMM_TILES, moe.tiles)):
-        try:
-            by_tiles[tiles] = products(tiles)
-        except Exception as error:  # a tiling the kernel refuses at this shape
-            print(f"  gmm tiles {tiles}: {type(error).__name__}: {str(error)[:100]}", file=sys.stderr)
-    best = min(by_tiles, key=by_tiles.get)
-    product_flops = 3 * 2 * rows * d * f * 3  # gate, up, down; forward + backward
-    ours = by_tiles.get(moe.tiles, float("nan"))
-    return {
-        "tiles": list(moe.tiles),
-        "best_tiles": list(best),
-        "products_ms": ours * 1e3,
-        "best_products_ms": by_tiles[best] * 1e3,
-        "best_products_tflops": product_flops / by_tiles[best] / 1e12,
-        "layer_ms": layer_s * 1e3,
-        "layer_over_products": layer_s / ours,
-        "products_over_best": ours / by_tiles[best],
-    }
+    tilings = tuple(dict.fromkeys((*GMM_TILES, moe.tiles)))
+    programs = {"moe layer": lambda: (eqx.filter_jit(eqx.filter_grad(layer_loss)), (layer, x))}
+    programs.update({f"products {tiles}": functools.partial(products, tiles) for tiles in tilings})
+
+    def summary(seconds: dict) -> dict:
+        by_tiles = {tiles: seconds[f"products {tiles}"] for tiles in tilings if f"products {tiles}" in seconds}
+        best = min(by_tiles, key=by_tiles.get)
+        product_flops = 3 * 2 * rows * d * f * 3  # gate, up, down; forward + backward
+        ours = by_tiles.get(moe.tiles, float("nan"))
+        return {
+            "tiles": list(moe.tiles),
+            "best_tiles": list(best),
+            "products_ms": ours * 1e3,
+            "best_products_ms": by_tiles[best] * 1e3,
+            "best_products_tflops": product_flops / by_tiles[best] / 1e12,
+            "layer_ms": seconds["moe layer"] * 1e3,
+            "layer_over_products": seconds["moe layer"] / ours,
+            "products_over_best": ours / by_tiles[best],
+        }
+
+    return programs, summary
 
 
 def main(args: Args) -> None:
@@ -365,8 +400,7 @@ def main(args: Args) -> None:
             row["mfu"] = row["model_tflops"] / peak
             used = row.pop("config")
             ceilings_started = time.perf_counter()
-            row["attention"] = _attention_ceiling(used, args.batch_size)
-            row["moe"] = _moe_ceiling(used, args.batch_size)
+            row["attention"], row["moe"] = _ceilings(used, args.batch_size)
             row["ceilings_s"] = time.perf_counter() - ceilings_started
             row["row_s"] = time.perf_counter() - started
         except Exception as error:  # a row that fails is a result: its line says why, the others still run

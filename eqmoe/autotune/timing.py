@@ -2,11 +2,13 @@
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,27 +139,41 @@ def cached_or_timed(workload: Workload, cache: Path) -> Measurement:
 
 
 def _compiled(names: list[str], workload: Workload, skipped: dict[str, str]) -> dict:
-    """Each candidate's program, traced in turn and compiled side by side (XLA compiles on host threads, and a
-    TPU host has cores to spare: ten candidates cost about the slowest compile, not the sum); a candidate that
-    refuses the config, or whose program does not fit, goes to ``skipped`` with why. A plain (not jitted) function
-    is left to compile at its first call."""
-    programs, compiling = {}, {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
-        for name in names:
+    """Each candidate's program, compiled (:func:`compiled_side_by_side`); a candidate that refuses the config, or
+    whose program does not fit, goes to ``skipped`` with why."""
+    programs = {}
+    for name, result in compiled_side_by_side(
+        {name: functools.partial(workload.program, name) for name in names}
+    ).items():
+        if isinstance(result, Exception):
+            skipped[name] = _why_skipped(result)
+        else:
+            programs[name] = result
+    return programs
+
+
+def compiled_side_by_side(makers: dict[str, Callable[[], tuple]]) -> dict[str, tuple | Exception]:
+    """Each ``make() -> (jitted function, arguments)`` traced in turn and compiled side by side (XLA compiles on host
+    threads, and a TPU host has cores to spare: ten programs cost about the slowest compile, not the sum). Returns
+    each name's ``(compiled function, arguments)``, or the exception its making or compiling raised. A plain (not
+    jitted) function is left to compile at its first call."""
+    results: dict[str, tuple | Exception] = {}
+    compiling = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(makers), os.cpu_count() or 1))) as pool:
+        for name, make in makers.items():
             try:
-                function, arguments = workload.program(name)
-                programs[name] = (function, arguments)
+                function, arguments = make()
+                results[name] = (function, arguments)
                 if hasattr(function, "lower"):
                     compiling[name] = pool.submit(function.lower(*arguments).compile)
             except Exception as error:
-                skipped[name] = _why_skipped(error)
+                results[name] = error
     for name, future in compiling.items():
         try:
-            programs[name] = (future.result(), programs[name][1])
+            results[name] = (future.result(), results[name][1])
         except Exception as error:
-            skipped[name] = _why_skipped(error)
-            del programs[name]
-    return programs
+            results[name] = error
+    return results
 
 
 def _why_skipped(error: Exception) -> str:
