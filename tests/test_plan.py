@@ -31,6 +31,25 @@ def test_analytic_estimate_agrees_with_xla_within_15_percent(preset, remat):
     assert estimate.peak == pytest.approx(compiled.argument + compiled.temp, rel=0.15)
 
 
+# XLA's compiled bytes (arguments + temporaries) of these --remat block steps on one TPU v5e chip (2026-12-07, jax
+# 0.10.2, `experiments/tpu_check.sh plan`): 8 x 1024 tokens, bfloat16, embed 1024, heads of 128, experts of 512, a
+# vocabulary of 32,000. The sum XLA:CPU nearly keeps was 1.46-1.66x these.
+CHIP_BLOCK_GIB = {"qwen3-moe-tiny": 3.117, "envy-test": 2.436, "deepseek-v3-micro": 2.911}
+
+
+@pytest.mark.parametrize("preset", sorted(CHIP_BLOCK_GIB))
+def test_block_remat_estimate_for_a_tpu_is_within_15_percent_of_the_chips_compiled_bytes(preset):
+    from eqmoe.config_io import apply_overrides
+
+    widths = {"embed_dim": 1024, "attention.head_dim": 128, "vocab_size": 32000, "moe.expert_dim": 512}
+    config = apply_overrides(presets.get(preset), widths)
+    config = config.replace(remat="block", dtype="bfloat16", param_dtype="float32")
+    estimate = plan.estimate(config, _one_device(), 8, 1024, platform="tpu")
+    assert estimate.peak == pytest.approx(CHIP_BLOCK_GIB[preset] * 2**30, rel=0.15)
+    # the same step as XLA:CPU lays it out: everything at once
+    assert plan.estimate(config, _one_device(), 8, 1024, platform="cpu").peak > 1.4 * estimate.peak
+
+
 def test_chunked_output_layer_estimate_agrees_with_xla_within_15_percent():
     """A vocabulary of 32,000 at 16 x 128 tokens: the whole sequence's float32 logits and gradient (about 250 MiB of
     the compiled 620) against one chunk of 32 positions (XLA:CPU: 623 -> 252 MiB compiled)."""

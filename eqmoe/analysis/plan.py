@@ -25,7 +25,11 @@ bytes; widths already divided by their mesh axes as the sharding rules split the
   ``c * (2 D + 3 M)``; plus the output layer ``4 * 2 V`` per token (logits and their gradient: with the
   flat output matmul XLA keeps no third copy); with ``output_chunk`` only one chunk's positions hold them at once.
   With ``remat="block"`` each layer keeps its input ``c * D`` per token and about three quarters of one repeat
-  unit's activations are live during its recomputation;
+  unit's activations are live during its recomputation. XLA:CPU keeps nearly the sum of all this at once; a TPU
+  peaks in one phase at a time, so there (``platform="tpu"``) the temporaries are the largest of: the output layer
+  (``(4 + c) V`` per position, the float32 logits and their compute-dtype copy, with the embedding and output
+  matrices in the compute dtype and the layer inputs), the layers' backward pass (the float32 gradients, the layer
+  inputs and one unit recomputed) and the update (gradients and update);
 - output (the new parameters and optimizer state, donated in place) equals parameters + optimizer state.
 
 Model FLOPs per token (:mod:`eqmoe.flops`, the count training logs and ``bench_model`` take MFU from):
@@ -169,10 +173,16 @@ def layer_costs(config: ModelConfig, shape: PlanShape) -> list[tuple[Cost, Cost]
 
 
 def estimate(
-    config: ModelConfig, p: parallel.Parallelism, batch: int, seq: int, training: Training | None = None
+    config: ModelConfig,
+    p: parallel.Parallelism,
+    batch: int,
+    seq: int,
+    training: Training | None = None,
+    platform: str | None = None,
 ) -> Memory:
-    """The analytic :class:`Memory` of one train step (see the module docstring for the formulas). With
-    frozen roles or LoRA (``training``) only the trained parameters have gradients and optimizer state."""
+    """The analytic :class:`Memory` of one train step (see the module docstring for the formulas) as XLA lays it
+    out on ``platform`` (default: JAX's backend here). With frozen roles or LoRA (``training``) only the trained
+    parameters have gradients and optimizer state."""
     training = training or Training()
     state, _, _, _ = _abstract(config, p, batch, seq, training)
     leaves = [x for x in jax.tree.leaves(state.model) if isinstance(x, jax.ShapeDtypeStruct)]
@@ -197,13 +207,26 @@ def estimate(
         kept = c * d * len(layers) + 0.75 * max(units)
     else:
         kept = sum(layers)
-    output_layer = 4 * 2 * shape.split(config.vocab_size)  # per position whose logits exist at once
+    vocab = shape.split(config.vocab_size)
+    output_layer = 4 * 2 * vocab  # per position whose logits exist at once
     at_once = shape.tokens if not config.output_chunk else shape.rows * min(config.output_chunk, shape.seq)
-    activations = shape.tokens * kept + at_once * output_layer + max(attention.per_step for attention, _ in costs)
+    per_step = max(attention.per_step for attention, _ in costs)
+    activations = shape.tokens * kept + at_once * output_layer + per_step
+    gradients = 2 * 4 * trained  # the gradients and the optimizer's update of the trained parameters
+    if config.remat in ("block", "offload") and (platform or jax.default_backend()) != "cpu":
+        # A TPU's recomputing step peaks in one phase at a time, where XLA:CPU keeps nearly the sum: the output
+        # layer (float32 logits, their compute-dtype copy, the embedding and output matrices in the compute dtype,
+        # the layer inputs; no gradient yet), the layers' backward pass (the gradients, one unit recomputed) or the
+        # update. On one v5e chip (8 x 1024 tokens, vocabulary 32,000) the sum was 1.46-1.66x the compiled bytes.
+        inputs = shape.tokens * c * d * len(layers)
+        matrices = c * vocab * d * (1 if config.tie_embeddings else 2)
+        output_phase = inputs + matrices + at_once * (4 + c) * vocab
+        layers_phase = 4 * trained + inputs + shape.tokens * 0.75 * max(units) + per_step
+        activations = max(output_phase, layers_phase, gradients) - gradients
     return Memory(
         parameters=params,
         optimizer=2 * 4 * trained,
-        gradients=2 * 4 * trained,  # the gradients and the optimizer's update of the trained parameters
+        gradients=gradients,
         activations=float(activations),
         batch=float(13 * shape.tokens),  # three int32 arrays and a bool mask
         output=params + 2 * 4 * trained,
