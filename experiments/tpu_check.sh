@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Prepare and check a TPU: install what eqmoe needs, run the kernel and parity tests on the chip, a TPU bench row and
 # the quickstart; then one table. Two more parts on request: the memory fit (a step that does not fit, then the same
-# with --remat auto) and the planner against the chip's compiled memory. On one v5e chip (2026-12-07) the parts took:
-# install 45-48 s, the kernel tests 75 s (each compiles its own programs; the Qwen3 parity tests were not timed there:
-# 43 s on a 2-core CPU), the mixtral bench row 226 s (auto timing the kernels 78 s, the remat policies and step compiled
-# 44 s, the ceilings 51 s), the quickstart 138 s: by these figures about 9 minutes for the default parts, which have not
-# yet run whole on the chip (the machine was taken back during that run). Every bench row takes 200-300 s there
-# (Qwen3-Next's over 300 s), so all five do not fit in the same 10 minutes: TPU_CHECK_BENCH_FLAGS="--rows mixtral qwen3
-# deepseek gpt_oss qwen3_next" runs them (about 20 minutes); the fit part takes 209-281 s and then 109 s, the plan part
-# 70-90 s a preset.
+# with --remat auto) and the planner against the chip's compiled memory. On one fresh v5e chip (2026-12-08) the whole
+# default check took 528 s: install 27 s (torch beside the rest), the kernel and parity tests 205 s (21 passed, 1
+# skipped), the mixtral bench row 200 s (auto timing the kernels 75 s, the remat policies and step compiled 43 s,
+# the ceilings 36 s), the quickstart 86 s. Every bench row takes 200-300 s there (Qwen3-Next's over 300 s), so all
+# five do not fit in the same 10 minutes: TPU_CHECK_BENCH_FLAGS="--rows mixtral qwen3 deepseek gpt_oss qwen3_next"
+# runs them (about 20 minutes); the fit part takes 209-281 s and then 109 s, the plan part 70-90 s a preset.
 #
 #     bash experiments/tpu_check.sh                   # install tests bench quickstart
 #     bash experiments/tpu_check.sh fit tests         # some parts, in the order given: install tests bench quickstart fit plan
@@ -172,6 +170,8 @@ plan_part() { # the analytic memory against the chip's compiled memory, single d
         row "plan $preset" "exit $?" "$("$python" - "$out/plan_$preset.log" <<'EOF'
 import json, sys
 text = open(sys.argv[1]).read()
+if "[" not in text or "]" not in text:  # stopped before its JSON
+    sys.exit(print("no result (see the log)"))
 rows = json.loads(text[text.index("["):text.rindex("]") + 1])
 print("; ".join(
     f"{r['remat']}: analytic {(r['analytic']['argument'] + r['analytic']['temp']) / 2**30:.3f} GiB, "
