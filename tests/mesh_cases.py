@@ -121,9 +121,12 @@ def _hybrid(micro):
 
 @pytest.mark.parametrize(
     ("mesh", "variant"),
-    [(mesh, "dropless") for mesh in MESHES[1:]]
-    # plain data parallelism: also the data axis of the other meshes, and the two-process run
-    + [pytest.param(MESHES[0], "dropless", marks=pytest.mark.slow)]
+    [("fsdp=8", "dropless")]
+    # under -m slow: plain data parallelism (also the data axis of the other meshes, and the two-process run);
+    # data=2,expert=4 (test_train_step_keeps_the_state_sharded_and_matches_one_device's step on it, its gradients in
+    # Adam's first moment, and the forward passes of the generation and lm-eval cases); every axis at once (the
+    # capacity case's plain attention, the family-fields case's dropless dispatch, the hybrid's softmax router)
+    + [pytest.param(mesh, "dropless", marks=pytest.mark.slow) for mesh in MESHES if mesh != "fsdp=8"]
     # capacity dispatch on the mesh with every axis at once; on each other mesh under -m slow
     + [("data=2,tensor=2,expert=2", "capacity")]
     + [pytest.param(mesh, "capacity", marks=pytest.mark.slow) for mesh in MESHES[:-1]]
