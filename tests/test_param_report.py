@@ -68,6 +68,9 @@ def test_cli_subprocess_json():
     assert 0 < report["active"] < report["total"]
 
 
+# -m slow: the one line and exit 2 are test_unknown_preset_exits_2's (main's), the command's entry
+# test_cli_subprocess_json's
+@pytest.mark.slow
 def test_cli_subprocess_unknown_preset():
     result = subprocess.run(
         [sys.executable, "-m", "experiments.param_report", "--preset", "no-such-model"],
