@@ -25,11 +25,12 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    args = _tiny(out, steps=50, tracker=("jsonl", "tensorboard", "wandb"))
-    run = dataclasses.replace(args.run, eval_every=25, checkpoint_every=50, peak_tflops=0.5)
+    # 16 steps: the W&B run file (about 40 KB) still spans more than one of its 32 KiB blocks
+    args = _tiny(out, steps=16, tracker=("jsonl", "tensorboard", "wandb"))
+    run = dataclasses.replace(args.run, eval_every=8, checkpoint_every=16, peak_tflops=0.5)
     pretrain.run(dataclasses.replace(args, run=run))
     records = [r for r in _records(out) if "loss" in r]
-    assert [r["step"] for r in records] == list(range(2, 51, 2))
+    assert [r["step"] for r in records] == list(range(2, 17, 2))
     for r in records:  # the compute rates: model FLOPs per token times tokens/s, over the given peak
         assert r["model_flops_per_token"] == records[0]["model_flops_per_token"] > 0
         assert r["tflops_per_device"] == pytest.approx(r["tokens_per_second"] * r["model_flops_per_token"] / 1e12)
@@ -64,12 +65,12 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics(tmp_path, monkeypatch):
 
     # --resume continues the same W&B run (its id is kept beside the run).
     run_id = (out / "wandb_run_id").read_text().strip()
-    more = dataclasses.replace(args.run, steps=52, resume=True, eval_every=25, checkpoint_every=50, tracker=("wandb",))
+    more = dataclasses.replace(args.run, steps=18, resume=True, eval_every=8, checkpoint_every=16, tracker=("wandb",))
     pretrain.run(dataclasses.replace(args, run=more))
     assert (out / "wandb_run_id").read_text().strip() == run_id
     resumed = [run for run in (out / "wandb").glob("offline-run-*") if run != runs[0]]
     assert len(resumed) == 1 and resumed[0].name.endswith(run_id)
-    assert 52 in {int(row["_step"]) for row in _wandb_history(next(resumed[0].glob("*.wandb")))}
+    assert 18 in {int(row["_step"]) for row in _wandb_history(next(resumed[0].glob("*.wandb")))}
 
 
 def _wandb_history(path) -> list[dict]:
