@@ -14,6 +14,8 @@ from eqmoe.config_io import apply_overrides
 from eqmoe.train.optimizer import OptimizerConfig, make_optimizer
 from eqmoe.train.state import abstract_state, init_state
 from eqmoe.train.step import Batch, batch_loss, make_train_step
+from tests.test_lora_experts import MESHES as LORA_MESHES
+from tests.test_lora_experts import mesh_case as lora_mesh_case
 
 MESHES = ["data=8", "fsdp=8", "data=2,expert=4", "data=2,tensor=2,expert=2"]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (run by tests/test_parallel.py)")
@@ -271,3 +273,9 @@ def test_lm_eval_log_likelihoods_on_a_mesh_equal_one_device():
         got = score(parallel.shard(model, p), requests, batch_size=8)
     np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in expected], rtol=1e-5, atol=1e-4)
     assert [s.greedy for s in got] == [s.greedy for s in expected]
+
+
+@pytest.mark.parametrize("mesh", LORA_MESHES)
+def test_expert_parallel_lora_adapters_match_one_device(mesh):
+    """tests/test_lora_experts.py's adapted MoE layer: its output and gradients on the mesh equal one device's."""
+    lora_mesh_case(mesh)

@@ -4,14 +4,9 @@ For each registered backend, an MoE whose experts carry random (nonzero) adapter
 backend on merged weights ``W + scale * A @ B`` in outputs, in the input gradient and in the base weights'
 gradients, and its adapter gradients must equal the merged weight's gradient carried onto the factors:
 ``dL/dA_e = scale * dL/dW_e @ B_e^T`` and ``dL/dB_e = scale * A_e^T @ dL/dW_e``. Expert parallelism on 8
-simulated devices must agree with one device's ``sorted`` backend (run in a process of its own, like
-``tests/test_parallel.py``).
+simulated devices must agree with one device's ``sorted`` backend (:func:`mesh_case`, run by
+``tests/mesh_cases.py`` in the process of 8 devices ``tests/test_parallel.py`` starts).
 """
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -26,7 +21,6 @@ from eqmoe.nn._init import Init
 from eqmoe.nn.linear import LowRank
 from eqmoe.nn.moe import MoE
 
-ROOT = Path(__file__).resolve().parents[1]
 EMBED, WIDTH, RANK, SCALE = 8, 6, 3, 0.75
 MATRICES = ("gate", "up", "down")
 # Adapted subsets: all three, and partial ones so a missing pair of each side (gate|up, down) is covered.
@@ -168,7 +162,7 @@ def test_unadapted_experts_hold_no_adapter_leaves():
 MESHES = ["expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=2,tensor=2,expert=2"]
 
 
-def _mesh_case(mesh: str):
+def mesh_case(mesh: str):
     """The adapted ``sorted`` MoE on one device and with expert parallelism on ``mesh``: the same output and
     gradients (adapters, base weights, router, input)."""
     moe = _with_lora(_moe("sorted", num_experts=8, top_k=2, seed=3), _adapters(8, seed=4))
@@ -185,23 +179,3 @@ def _mesh_case(mesh: str):
     leaves = jax.tree_util.tree_leaves_with_path(d_moe)
     for (path, want), got in zip(leaves, jax.tree.leaves(d_mesh), strict=True):
         _close(np.asarray(got), np.asarray(want), 5e-5, f"{mesh}: d{jax.tree_util.keystr(path)}")
-
-
-def test_expert_parallel_adapters_match_one_device():
-    """Runs this file as a script with 8 simulated CPU devices (the device count is fixed when JAX starts)."""
-    # A script's own folder heads its path, not the working directory: name the checkout explicitly.
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path}
-    command = [sys.executable, str(Path(__file__).resolve())]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert result.stdout.strip().splitlines()[-1] == f"{len(MESHES)} meshes agree", result.stdout[-3000:]
-
-
-if __name__ == "__main__":
-    assert jax.device_count() == 8, jax.devices()
-    for mesh in MESHES:
-        _mesh_case(mesh)
-        print(f"{mesh}: agrees")
-    print(f"{len(MESHES)} meshes agree")

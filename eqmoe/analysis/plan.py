@@ -215,10 +215,10 @@ def estimate(
     gradients = 2 * 4 * trained  # the gradients and the optimizer's update of the trained parameters
     if config.remat in ("block", "offload") and (platform or jax.default_backend()) == "tpu":
         # A TPU's recomputing step peaks in one phase at a time, where XLA:CPU keeps nearly the sum (a GPU is not
-        # measured: the sum, an upper bound, stays there): the output
-        # layer (float32 logits, their compute-dtype copy, the embedding and output matrices in the compute dtype,
-        # the layer inputs; no gradient yet), the layers' backward pass (the gradients, one unit recomputed) or the
-        # update. On one v5e chip (8 x 1024 tokens, vocabulary 32,000) the sum was 1.46-1.66x the compiled bytes.
+        # measured: the sum, an upper bound, stays there): the output layer (float32 logits, their compute-dtype
+        # copy, the embedding and output matrices in the compute dtype, the layer inputs; no gradient yet), the
+        # layers' backward pass (the gradients, one unit recomputed) or the update. On one v5e chip (8 x 1024
+        # tokens, vocabulary 32,000) the sum was 1.46-1.66x the compiled bytes.
         inputs = shape.tokens * c * d * len(layers)
         matrices = c * vocab * d * (1 if config.tie_embeddings else 2)
         output_phase = inputs + matrices + at_once * (4 + c) * vocab
